@@ -1,0 +1,137 @@
+"""Which implementation serves an op call: environment switches, backend choice, loud fallback.
+
+Switches (read at every call, so tests can flip them with ``monkeypatch.setenv``):
+
+* ``VIME_RL_KERNEL=1`` turns the kernels on. Off (default): every op runs the reference, and
+  that is not a fallback (nothing is logged or counted).
+* ``VIME_RL_KERNEL_OPS``: comma-separated allowlist (``logp,grpo_loss``); ``*`` or unset = all.
+  An op not on the list runs the reference silently (it was not asked for).
+* ``VIME_RL_KERNEL_BACKEND``: backend name (``rlk-triton`` default, ``reference``, a registered
+  or entry-point name, or a dotted path ``pkg.module:factory``).
+* ``VIME_RL_KERNEL_STRICT=1``: any fallback raises :class:`KernelFallbackError` instead.
+
+A fallback happens when the op is enabled and allowed but the backend cannot be loaded or its
+``supports(op, **case)`` returns a reason (no CUDA and no interpreter, dtype, TP layout, ...).
+It logs ONE warning line per (op, reason) per process (``kernels: <op> falls back to reference:
+<reason>``) and counts every such call in :func:`fallback_counts`. An exception raised *inside*
+a backend is not a fallback: it propagates (no silent fallbacks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from kernels import backends
+
+logger = logging.getLogger("kernels")
+
+DEFAULT_BACKEND = "rlk-triton"
+REFERENCE_BACKEND = "reference"
+
+_fallback_counts: Counter[str] = Counter()
+_fallback_reasons: dict[str, Counter[str]] = {}
+_logged: set[tuple[str, str]] = set()
+
+
+class KernelFallbackError(RuntimeError):
+    """Raised instead of falling back when ``VIME_RL_KERNEL_STRICT=1``."""
+
+    def __init__(self, op: str, reason: str) -> None:
+        super().__init__(f"kernels: {op} cannot run on the kernel backend (strict mode): {reason}")
+        self.op = op
+        self.reason = reason
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def kernels_enabled() -> bool:
+    return _truthy("VIME_RL_KERNEL")
+
+
+def strict_mode() -> bool:
+    return _truthy("VIME_RL_KERNEL_STRICT")
+
+
+def allowed_ops() -> frozenset[str] | None:
+    """The allowlist, or None for all ops."""
+    raw = os.environ.get("VIME_RL_KERNEL_OPS", "").strip()
+    if raw in ("", "*"):
+        return None
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def op_allowed(op: str) -> bool:
+    allow = allowed_ops()
+    return allow is None or op in allow or "*" in allow
+
+
+def configured_backend_name() -> str:
+    return os.environ.get("VIME_RL_KERNEL_BACKEND", "").strip() or DEFAULT_BACKEND
+
+
+def _record_fallback(op: str, reason: str) -> None:
+    if strict_mode():
+        raise KernelFallbackError(op, reason)
+    _fallback_counts[op] += 1
+    _fallback_reasons.setdefault(op, Counter())[reason] += 1
+    if (op, reason) not in _logged:
+        _logged.add((op, reason))
+        logger.warning("kernels: %s falls back to reference: %s", op, reason)
+
+
+def select(op: str, **case: Any) -> tuple[backends.Backend, Callable[..., Any]]:
+    """The backend and implementation serving ``op`` for this ``case`` (see backends/base.py)."""
+    reference = backends.get_backend(REFERENCE_BACKEND)
+    if not kernels_enabled() or not op_allowed(op):
+        return reference, reference.get(op)
+    name = configured_backend_name()
+    try:
+        backend = backends.get_backend(name)
+    except (backends.BackendLoadError, ImportError) as exc:
+        _record_fallback(op, f"backend {name!r} unavailable: {exc}")
+        return reference, reference.get(op)
+    reason = backend.supports(op, **case)
+    if reason is not None:
+        _record_fallback(op, reason)
+        return reference, reference.get(op)
+    return backend, backend.get(op)
+
+
+def call(op: str, case: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``op`` on the selected implementation."""
+    _, impl = select(op, **case)
+    return impl(*args, **kwargs)
+
+
+def fallback_counts() -> dict[str, int]:
+    """Fallbacks per op since the last reset (ops that never fell back are absent)."""
+    return dict(_fallback_counts)
+
+
+def fallback_reasons() -> dict[str, dict[str, int]]:
+    """Fallbacks per op and reason since the last reset."""
+    return {op: dict(reasons) for op, reasons in _fallback_reasons.items()}
+
+
+def reset_fallback_counts() -> None:
+    """Zero the counters and forget which (op, reason) lines were logged."""
+    _fallback_counts.clear()
+    _fallback_reasons.clear()
+    _logged.clear()
+
+
+def backend_id() -> str:
+    """``id/version`` of the backend ops would use now: the reference when kernels are off or
+    the configured backend cannot be loaded (per-case fallbacks are in fallback_counts())."""
+    name = configured_backend_name() if kernels_enabled() else REFERENCE_BACKEND
+    try:
+        backend = backends.get_backend(name)
+    except (backends.BackendLoadError, ImportError):
+        backend = backends.get_backend(REFERENCE_BACKEND)
+    return f"{backend.id}/{backend.version}"

@@ -1,0 +1,14 @@
+"""Our Triton operators: one file per op (kernel, autograd wrapper and docstring side by side).
+
+Importing this package compiles nothing, but ``triton.jit`` decides at decoration time whether a
+kernel runs compiled (CUDA) or through the CPU interpreter: ``TRITON_INTERPRET=1`` must be set
+*before* the first import of ``kernels.ops`` for the kernels to run on CPU tensors.
+``INTERPRETED`` records which mode this process got; the ``rlk-triton`` backend reads it to
+decide whether a CPU case is supported.
+"""
+
+from __future__ import annotations
+
+import os
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"

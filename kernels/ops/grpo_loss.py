@@ -1,0 +1,239 @@
+"""vime's GRPO loss straight from logits: one fused Triton pass per row + autograd.
+
+``grpo_loss(logits [T, V], target_ids [T], *, old_logp, ref_logp, advantages, loss_mask,
+lengths|cu_seqlens, config, temperature, rollout_logp, tp_group, inplace_backward)
+-> (loss 0-dim fp32, {"pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss"}: 0-dim fp32)``, the math of
+kernels/reference/grpo_loss.py.
+
+Fused path (single device, token-level ratio): every token's share of the loss is known before
+the logits are read, because the reduction weights come from the mask alone
+(``w_t = m_t / max(sum of m over t's sample, 1)`` for ``sum_of_sample_mean``, ``w_t = m_t`` for
+``per_token_sum``; reference ``token_weights``). So one program per row
+  1. sweeps the row once (online max / sum-exp) -> ``logp``;
+  2. computes the token's pg, clip flag, KL and ``c = dL/dlogp = w (dpg/dlogp + kl_coef dkl/dlogp)``
+     in registers;
+  3. sweeps the row again (the second read may hit L2) writing ``dlogits = c (onehot - softmax) / T``
+     in the logits dtype.
+Forward+backward thus reads the logits once from HBM (plus the L2-resident re-read) and writes
+dlogits once; no [T, V] intermediate besides dlogits itself. The backward returns the saved
+dlogits when ``grad_output`` is 1, scales them in place when that is exact enough (fp32 logits,
+or a power-of-two grad_output), and otherwise (16-bit logits, e.g. a 1/3 microbatch scale)
+recomputes them from the logits with the scaled per-row coefficients saved by the forward (one
+more sweep), keeping dlogits within one ulp. When logits do not require grad, step 3 is
+skipped (a pure one-pass forward).
+
+``inplace_backward=True`` (opt-in) writes dlogits into the logits buffer during the forward:
+no extra [T, V] memory, but the logits' values are destroyed — use it only when nothing reads
+the logits after this call (the returned gradient aliases the logits storage).
+
+Composed path (GSPO, whose ratio needs the whole sample's logp first, and vocab-parallel TP):
+the Triton ``logp`` op (kernels/ops/logp.py) followed by the reference loss math on [T] tensors;
+its backward is the logp backward kernel. Same values, one more read of the logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kernels import validation
+from kernels.ops.logp import LogpFunction, launch_logp_backward, row_max_sumexp, row_target, row_write_grad, vocab_block
+from kernels.ops.ratio_kl import kl_type_code, kl_value_and_grad
+from kernels.reference.grpo_loss import METRIC_NAMES, check_loss_inputs, grpo_loss_from_logp
+from kernels.reference.loss_config import LossConfig
+from kernels.reference.reductions import resolve_lengths, token_weights
+
+
+@triton.jit
+def token_pg_and_grad(
+    logp, old_logp, adv, rollout_logp, eps_low, eps_high, eps_c, tis_low, tis_high,
+    DUAL_CLIP: tl.constexpr, TIS: tl.constexpr,
+):
+    """(pg, clipped flag, d pg / d logp) of vime's clipped policy loss for one token.
+
+    Gradient ties follow torch: max/min split the gradient evenly between equal operands and
+    clamp passes it on the closed interval."""
+    ratio = tl.exp(logp - old_logp)
+    l1 = -ratio * adv
+    clipped_ratio = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+    l2 = -clipped_ratio * adv
+    d1 = -ratio * adv
+    in_range = (ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high)
+    d2 = tl.where(in_range, d1, 0.0)
+    pg = tl.maximum(l1, l2)
+    dpg = tl.where(l1 > l2, d1, tl.where(l2 > l1, d2, 0.5 * (d1 + d2)))
+    clipped = tl.where(l2 > l1, 1.0, 0.0)
+    if DUAL_CLIP:
+        l3 = -eps_c * adv
+        dual = tl.minimum(l3, pg)
+        d_dual = tl.where(pg < l3, dpg, tl.where(pg > l3, 0.0, 0.5 * dpg))
+        negative = adv < 0.0
+        pg = tl.where(negative, dual, pg)
+        dpg = tl.where(negative, d_dual, dpg)
+    if TIS:
+        w_tis = tl.minimum(tl.maximum(tl.exp(old_logp - rollout_logp), tis_low), tis_high)
+        pg = pg * w_tis
+        dpg = dpg * w_tis
+    return pg, clipped, dpg
+
+
+@triton.jit
+def _grpo_loss_kernel(
+    logits_ptr, grad_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, weight_ptr, per_token_ptr,
+    stride_row, stride_grad_row, num_tokens, vocab, ignore_index, temperature,
+    eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_REF: tl.constexpr,
+    KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr, DUAL_CLIP: tl.constexpr, TIS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target_id = tl.load(ids_ptr + row).to(tl.int64)
+    ignored = target_id == ignore_index
+    m, s = row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V, SCALE)
+    _, z_t = row_target(row_ptr, target_id, 0, vocab, temperature, SCALE)
+    logp = tl.where(ignored, 0.0, (z_t - m) - tl.log(s))
+
+    old = tl.load(old_ptr + row).to(tl.float32)
+    adv = tl.load(adv_ptr + row).to(tl.float32)
+    weight = tl.load(weight_ptr + row)
+    rollout = old
+    if TIS:
+        rollout = tl.load(rollout_ptr + row).to(tl.float32)
+    pg, clipped, dpg = token_pg_and_grad(
+        logp, old, adv, rollout, eps_low, eps_high, eps_c, tis_low, tis_high, DUAL_CLIP, TIS
+    )
+    kl = 0.0
+    dkl = 0.0
+    if HAS_REF:
+        ref = tl.load(ref_ptr + row).to(tl.float32)
+        kl, dkl = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
+    coef = tl.where(ignored, 0.0, weight * (dpg + kl_coef * dkl))
+    # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (reduced by one matvec), then what a
+    # backward with a non-unit grad_output needs to recompute dlogits: coef, row max, sum-exp
+    tl.store(per_token_ptr + row, pg)
+    tl.store(per_token_ptr + num_tokens + row, clipped)
+    tl.store(per_token_ptr + 2 * num_tokens + row, old - logp)
+    tl.store(per_token_ptr + 3 * num_tokens + row, kl)
+    tl.store(per_token_ptr + 4 * num_tokens + row, coef)
+    tl.store(per_token_ptr + 5 * num_tokens + row, m)
+    tl.store(per_token_ptr + 6 * num_tokens + row, s)
+    if WRITE_GRAD:
+        row_write_grad(
+            row_ptr, grad_ptr + row * stride_grad_row, coef, m, s, target_id, vocab,
+            temperature, BLOCK_V, SCALE,
+        )
+
+
+class GrpoLossFunction(torch.autograd.Function):
+    """Forward runs the fused kernel (and writes dlogits); backward applies grad_output."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, weights, config,
+                temperature, ignore_index, inplace):  # type: ignore[override]
+        num_tokens, vocab = logits.shape
+        write_grad = ctx.needs_input_grad[0]
+        if write_grad:
+            grad = logits.detach() if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        else:
+            grad = logits  # never written: WRITE_GRAD is off
+        per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
+        block, warps = vocab_block(vocab, logits.dtype)
+        has_ref = ref_logp is not None
+        _grpo_loss_kernel[(num_tokens,)](
+            logits, grad, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
+            rollout_logp if config.use_tis else old_logp, weights, per_token,
+            logits.stride(0), grad.stride(0), num_tokens, vocab, ignore_index, float(temperature),
+            config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
+            config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef,
+            BLOCK_V=block, SCALE=temperature != 1.0, WRITE_GRAD=write_grad, HAS_REF=has_ref,
+            KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
+            DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
+        )
+        metrics = per_token[:4] @ weights  # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss
+        loss = metrics[0] + config.kl_loss_coef * metrics[3] if config.kl_loss_coef != 0.0 else metrics[0].clone()
+        ctx.grad_logits = grad if write_grad else None
+        ctx.row_stats = per_token[4:]
+        ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
+        # the logits are kept only to recompute dlogits for a non-unit grad_output (16-bit dtypes)
+        ctx.save_for_backward(None if inplace else logits, ids)
+        ctx.mark_non_differentiable(metrics)
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics):  # type: ignore[override]
+        grad = ctx.grad_logits
+        ctx.grad_logits = None  # a second backward would need the forward again
+        if grad is None:
+            raise RuntimeError("grpo_loss backward ran twice, or logits did not require grad in forward")
+        scale = float(grad_loss)
+        if scale != 1.0:
+            if exact_in_place_scale(grad.dtype, scale) or ctx.inplace:
+                grad.mul_(scale)
+            else:
+                # scaling a rounded 16-bit dlogits would round twice (up to 1.5 ulp): recompute
+                # from the logits with the scaled per-row coefficient instead (one more sweep)
+                logits, ids = ctx.saved_tensors
+                coef, row_max, sumexp = ctx.row_stats
+                launch_logp_backward(
+                    logits, grad, ids, coef * scale, row_max, sumexp, ctx.temperature, ctx.ignore_index
+                )
+        return grad, None, None, None, None, None, None, None, None, None, None
+
+
+def exact_in_place_scale(dtype: torch.dtype, scale: float) -> bool:
+    """Whether ``dlogits *= scale`` keeps dlogits within the tolerance: always for fp32 (one more
+    fp32 rounding), for 16-bit dtypes only when ``scale`` is a power of two (exact; e.g. the
+    1/num_microbatches of a power-of-two schedule)."""
+    if dtype == torch.float32:
+        return True
+    mantissa, _ = math.frexp(abs(scale))
+    return mantissa == 0.5
+
+
+def grpo_loss(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    config: LossConfig = LossConfig(),
+    temperature: float = 1.0,
+    rollout_logp: torch.Tensor | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    inplace_backward: bool = False,
+    ignore_index: int = validation.IGNORE_INDEX,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """See the module docstring. Shapes: logits [T, V] (or [T, V_local] with ``tp_group``);
+    target_ids [T]; old_logp/ref_logp/advantages/rollout_logp [T] float; loss_mask [T] bool|float;
+    lengths [B] or cu_seqlens [B+1] (neither: one sample)."""
+    validation.check_logits(logits)
+    validation.check_temperature(temperature)
+    num_tokens = logits.shape[0]
+    world = 1 if tp_group is None else dist.get_world_size(tp_group)
+    validation.check_target_ids(target_ids, num_tokens, logits.shape[1] * world, logits.device, ignore_index)
+    check_loss_inputs(num_tokens, logits.device, old_logp, ref_logp, advantages, loss_mask, rollout_logp, config)
+    if config.gspo or tp_group is not None:
+        logp = LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)
+        return grpo_loss_from_logp(
+            logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, loss_mask=loss_mask,
+            lengths=lengths, cu_seqlens=cu_seqlens, config=config, rollout_logp=rollout_logp,
+        )
+    lens = resolve_lengths(num_tokens, logits.device, lengths, cu_seqlens)
+    weights = token_weights(loss_mask, lens, config.reduction).contiguous()
+
+    def f32(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(torch.float32).contiguous()
+
+    loss, metrics = GrpoLossFunction.apply(
+        logits, target_ids, f32(old_logp), f32(ref_logp), f32(advantages), f32(rollout_logp), weights,
+        config, float(temperature), int(ignore_index), bool(inplace_backward),
+    )
+    return loss, dict(zip(METRIC_NAMES, metrics.unbind(0)))

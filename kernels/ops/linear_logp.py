@@ -1,0 +1,530 @@
+"""linear_logp: selected log-prob straight from hidden states and the LM head, never building [T, V].
+
+    logp[t] = z[t, id_t] - logsumexp_v z[t, v],   z = (hidden @ weight.T + bias) / temperature
+
+Shapes and dtypes
+    hidden      [T, H]        float32 | bfloat16 | float16
+    weight      [V_local, H]  same dtype as hidden (the LM head, or this rank's vocab shard)
+    target_ids  [T]           int64 | int32, *global* vocab ids; ``-100`` (ignore_index) rows give
+                              logp 0 and gradient 0 (kernels/validation.py policy)
+    bias        [V_local]     optional, same dtype as hidden
+    returns     [T]           float32, autograd to hidden, weight and bias
+
+Vocab-parallel (``tp_group`` given): this rank owns global ids
+``[vocab_start, vocab_start + V_local)`` of ``global_vocab``. Per row, each rank computes its local
+max, sum-exp and (if it owns the target) target logit; three O(T) all-reduces (MAX, SUM, SUM) make
+the global log-sum-exp. The gradient uses the global lse, so ``dW``/``db`` are this shard's part;
+``dH`` is all-reduced (SUM) over ``tp_group`` because the hidden states are replicated across the
+TP ranks (Megatron's ColumnParallelLinear input region does the same all-reduce in its backward).
+
+Forward (``_fwd_tile_kernel``): one program per (token tile, vocab tile); the logits tile is a
+``tl.dot`` over H (bf16/fp16 operands on tensor cores, fp32 accumulate; fp32 operands in full IEEE
+precision), bias and temperature applied in fp32, then the tile's row max and sum-exp go to a small
+``[n_vocab_tiles, T]`` fp32 buffer and the owning tile writes the target logit. A cross-tile merge
+(a few O(n_vocab_tiles * T) torch ops) gives the per-row lse, the only thing saved for backward.
+Program ids run token tile fastest, so the programs resident at one time share weight tiles in L2
+and the weight is read from HBM about once.
+
+Backward, per vocab chunk of at most ``BACKWARD_WORKSPACE_BYTES`` of dlogits:
+    ``_dlogits_kernel``   recomputes the logits tile (same fp32 math as the forward) and writes
+                          dlogits = g * (onehot - exp(z - lse)) / temperature into the chunk buffer
+                          (input dtype: bf16/fp16 operands for the tensor-core matmuls; fp32 for fp32)
+    ``_matmul_kernel``    dH32 += dlogits_chunk @ W_chunk    (fp32 accumulator [T, H] across chunks)
+    ``_matmul_kernel``    dW_chunk = dlogits_chunk^T @ H      (fp32 accumulate over all T, one store)
+    db_chunk = dlogits_chunk.sum(0) in fp32.
+Workspace beyond inputs and returned gradients: the chunk buffer (<= 96 MiB), dH32 (T*H*4 bytes,
+67 MB at 4096 x 4096), db32 and the forward's partials (2 * n_vocab_tiles * T * 4 bytes, 19.5 MB at
+T = 4096, V = 151936, bf16): about 188 MB (bf16) / 208 MB (fp32) at the issue's shape, inside the
+256 MB budget (``workspace_bytes`` computes it; a test checks it).
+
+GPU tuning knobs (environment, read at each call; defaults are the configs below):
+``RLK_LINEAR_LOGP_TILES`` / ``RLK_LINEAR_LOGP_MATMUL_TILES`` = "BLOCK_T,BLOCK_V,BLOCK_K,warps,stages"
+for the logits-tile kernels / the backward matmuls; ``RLK_LINEAR_LOGP_BWD_MATMUL=torch`` runs the
+backward's dH/dW products in cuBLAS instead of our Triton matmul (see ``_bwd_matmul``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import validation
+from kernels.ops import INTERPRETED  # fixed at first import, like triton.jit's choice
+
+# Bytes of dlogits held at once in backward; the vocab chunk is sized from it.
+BACKWARD_WORKSPACE_BYTES = 96 * 1024 * 1024
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class _TileConfig:
+    block_t: int
+    block_v: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+TILES_ENV = "RLK_LINEAR_LOGP_TILES"  # forward + dlogits kernels
+MATMUL_TILES_ENV = "RLK_LINEAR_LOGP_MATMUL_TILES"  # backward dH / dW matmuls
+
+
+def _tiles_from_env(name: str) -> _TileConfig | None:
+    """Optional GPU tuning knob: "BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages" (powers of two >= 16
+    for the blocks). Compiled kernels only; the interpreter keeps its small tiles."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",")]
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{name}={raw!r}: expected 'BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages' (positive ints)")
+    cfg = _TileConfig(*(int(p) for p in parts))
+    for block in (cfg.block_t, cfg.block_v, cfg.block_k):
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"{name}={raw!r}: block sizes must be powers of two >= 16")
+    return cfg
+
+
+BWD_MATMUL_ENV = "RLK_LINEAR_LOGP_BWD_MATMUL"
+BWD_MATMULS = ("triton", "torch")
+
+
+def _bwd_matmul() -> str:
+    """Which matmuls the backward uses for dH and dW (read at each backward; GPU tuning knob):
+    ``triton`` (default): our kernels, fp32 accumulation over every chunk;
+    ``torch``: cuBLAS via torch.mm; dW identical in precision (fp32 accumulation over T inside one
+    GEMM), dH accumulates per-chunk partials rounded to the input dtype into the fp32 accumulator."""
+    value = os.environ.get(BWD_MATMUL_ENV, "").strip() or "triton"
+    if value not in BWD_MATMULS:
+        raise ValueError(f"{BWD_MATMUL_ENV}={value!r}: expected one of {BWD_MATMULS}")
+    return value
+
+
+def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileConfig:
+    """Fixed configs, no autotune: autotuning would re-run kernels that accumulate into outputs."""
+    if interpreted:
+        # The interpreter runs each program in Python: few, small programs keep CPU CI fast while
+        # still exercising partial tiles (odd V, T not a multiple of the tile).
+        return _TileConfig(block_t=32, block_v=64, block_k=32, num_warps=4, num_stages=1)
+    override = _tiles_from_env(TILES_ENV)
+    if override is not None:
+        return override
+    if dtype == torch.float32:
+        return _TileConfig(block_t=64, block_v=128, block_k=32, num_warps=8, num_stages=3)
+    # H100/H200 bf16/fp16: 128 x 256 fp32 accumulator over 8 warps, 3-stage K pipeline (144 KiB smem).
+    return _TileConfig(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
+
+
+def _matmul_config(dtype: torch.dtype) -> _TileConfig:
+    if INTERPRETED:
+        return _TileConfig(block_t=32, block_v=32, block_k=32, num_warps=4, num_stages=1)
+    override = _tiles_from_env(MATMUL_TILES_ENV)
+    if override is not None:
+        return override
+    if dtype == torch.float32:
+        return _TileConfig(block_t=64, block_v=64, block_k=32, num_warps=4, num_stages=3)
+    return _TileConfig(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full IEEE fp32 products (the acceptance asks logp atol 1e-5); tf32 would drift.
+    # For bf16/fp16 operands the option has no effect (the products are exact in fp32).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_operands(dtype: torch.dtype) -> bool:
+    # Triton's interpreter (3.9) multiplies bf16 tl.dot operands as raw bits (results ~1e10 off).
+    # Upcasting them to fp32 first is exact (a product of two bf16 values fits in fp32), so the
+    # interpreter computes what the tensor cores compute, up to fp32 summation order.
+    return INTERPRETED and dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _logits_tile(
+    hidden_ptr, weight_ptr, bias_ptr,
+    offs_t, offs_v, T, V_local, H,
+    stride_ht, stride_wv, inv_temperature,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """fp32 [BLOCK_T, BLOCK_V] tile of (hidden @ weight.T + bias) / temperature; -inf past V_local."""
+    mask_v = offs_v < V_local
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows/columns past the end wrap around to valid ones (loads need no row mask, so the K loop
+    # pipelines unmasked when H % BLOCK_K == 0); their results are masked at the end or the store.
+    rows_t = (offs_t % T).to(tl.int64)
+    rows_v = (offs_v % V_local).to(tl.int64)
+    h_ptrs = hidden_ptr + rows_t[:, None] * stride_ht + offs_k[None, :]
+    w_ptrs = weight_ptr + rows_v[None, :] * stride_wv + offs_k[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_left = H - k * BLOCK_K
+            h = tl.load(h_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(h, w, acc, INPUT_PRECISION, UPCAST)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    z = acc * inv_temperature
+    return tl.where(mask_v[None, :], z, float("-inf"))
+
+
+@triton.jit
+def _fwd_tile_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr,
+    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr,
+    T, V_local, H,
+    stride_ht, stride_wv, inv_temperature,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_t = tl.program_id(0)  # token tile fastest: co-resident programs share weight tiles in L2
+    pid_v = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_t = offs_t < T
+    z = _logits_tile(
+        hidden_ptr, weight_ptr, bias_ptr, offs_t, offs_v, T, V_local, H, stride_ht, stride_wv,
+        inv_temperature, HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_K, INPUT_PRECISION, UPCAST, EVEN_K,
+    )
+    # Every vocab tile holds at least one real column, so the row max is finite.
+    row_max = tl.max(z, axis=1)
+    row_sumexp = tl.sum(tl.exp(z - row_max[:, None]), axis=1)
+    tl.store(tile_max_ptr + pid_v * T + offs_t, row_max, mask=mask_t)
+    tl.store(tile_sumexp_ptr + pid_v * T + offs_t, row_sumexp, mask=mask_t)
+    # Local id of the target (out of range on other shards / ignored rows): only the owner stores.
+    local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
+    is_target = offs_v[None, :] == local_id[:, None]
+    target = tl.sum(tl.where(is_target, z, 0.0), axis=1)
+    owns = mask_t & (local_id >= pid_v * BLOCK_V) & (local_id < pid_v * BLOCK_V + BLOCK_V) & (local_id < V_local)
+    tl.store(target_logit_ptr + offs_t, target, mask=owns)
+
+
+@triton.jit
+def _dlogits_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr, lse_ptr, grad_ptr, dlogits_ptr,
+    T, V_local, H, chunk_start, chunk_cols,
+    stride_ht, stride_wv, stride_dt, inv_temperature,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """dlogits[t, c] = g[t] * (1[chunk_start + c == id_t] - softmax) / temperature, c < chunk_cols."""
+    pid_t = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = chunk_start + offs_c
+    mask_t = offs_t < T
+    z = _logits_tile(
+        hidden_ptr, weight_ptr, bias_ptr, offs_t, offs_v, T, V_local, H, stride_ht, stride_wv,
+        inv_temperature, HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_K, INPUT_PRECISION, UPCAST, EVEN_K,
+    )
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)  # 0 on ignored rows (set by the wrapper)
+    local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
+    prob = tl.exp(z - lse[:, None])  # exp(-inf) = 0 past V_local
+    onehot = (offs_v[None, :] == local_id[:, None]).to(tl.float32)
+    dlogits = (g * inv_temperature)[:, None] * (onehot - prob)
+    out_ptrs = dlogits_ptr + offs_t.to(tl.int64)[:, None] * stride_dt + offs_c[None, :]
+    tl.store(out_ptrs, dlogits.to(dlogits_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & (offs_c[None, :] < chunk_cols))
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """C[M, N] (+)= A[M, K] @ B[K, N], fp32 accumulation; C's dtype decides the stored precision."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles sweep the column tiles together, reusing B tiles in L2.
+    group_size = GROUP_M * num_n
+    group = pid // group_size
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # Out-of-range rows/columns wrap around (unmasked loads); the store is masked.
+    rows_a = (offs_m % M).to(tl.int64)
+    cols_b = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+    b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + cols_b[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(a, b, acc, INPUT_PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> None:
+    """out (+)= a @ b. a and b may be transposed views; out must be row-contiguous."""
+    M, K = a.shape
+    N = b.shape[1]
+    assert out.shape == (M, N) and out.stride(1) == 1
+    cfg = _matmul_config(a.dtype)
+    grid = (triton.cdiv(M, cfg.block_t) * triton.cdiv(N, cfg.block_v),)
+    _matmul_kernel[grid](
+        a, b, out, M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        ACCUMULATE=accumulate, BLOCK_M=cfg.block_t, BLOCK_N=cfg.block_v, BLOCK_K=cfg.block_k,
+        GROUP_M=8, INPUT_PRECISION=_input_precision(a.dtype), UPCAST=_upcast_operands(a.dtype),
+        EVEN_K=K % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """Shard-local int32 ids; ignored rows map to -1 (never a column)."""
+    local = target_ids.to(torch.int64) - vocab_start
+    local = torch.where(target_ids == validation.IGNORE_INDEX, torch.full_like(local, -1), local)
+    return local.to(torch.int32).contiguous()
+
+
+def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group):
+    """Returns (target_logit [T] fp32, lse [T] fp32), both global over the TP group."""
+    T, H = hidden.shape
+    V_local = weight.shape[0]
+    cfg = _tile_config(hidden.dtype)
+    n_t = triton.cdiv(T, cfg.block_t)
+    n_v = triton.cdiv(V_local, cfg.block_v)
+    tile_max = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
+    tile_sumexp = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
+    target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)
+    _fwd_tile_kernel[(n_t, n_v)](
+        hidden, weight, bias if bias is not None else hidden, local_ids,
+        tile_max, tile_sumexp, target_logit,
+        T, V_local, H, hidden.stride(0), weight.stride(0), inv_temperature,
+        HAS_BIAS=bias is not None, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+        INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_upcast_operands(hidden.dtype),
+        EVEN_K=H % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    row_max = tile_max.max(dim=0).values
+    if tp_group is not None:
+        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    sumexp = (tile_sumexp * torch.exp(tile_max - row_max)).sum(dim=0)
+    if tp_group is not None:
+        torch.distributed.all_reduce(sumexp, op=torch.distributed.ReduceOp.SUM, group=tp_group)
+        torch.distributed.all_reduce(target_logit, op=torch.distributed.ReduceOp.SUM, group=tp_group)
+    return target_logit, row_max + torch.log(sumexp)
+
+
+def _vocab_chunk_cols(T: int, V_local: int, element_size: int, block_v: int) -> int:
+    cols = BACKWARD_WORKSPACE_BYTES // max(1, T * element_size)
+    cols = max(block_v, cols // block_v * block_v)
+    return min(cols, triton.cdiv(V_local, block_v) * block_v)
+
+
+def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, tp_group, needs):
+    T, H = hidden.shape
+    V_local = weight.shape[0]
+    cfg = _tile_config(hidden.dtype)
+    need_dh, need_dw, need_db = needs
+    use_torch_mm = _bwd_matmul() == "torch"
+    chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
+    dlogits = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
+    d_hidden32 = torch.zeros((T, H), dtype=torch.float32, device=hidden.device) if need_dh else None
+    d_weight = torch.empty_like(weight) if need_dw else None
+    d_bias32 = torch.empty(V_local, dtype=torch.float32, device=hidden.device) if need_db else None
+    for start in range(0, V_local, chunk):
+        cols = min(chunk, V_local - start)
+        _dlogits_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(cols, cfg.block_v))](
+            hidden, weight, bias if bias is not None else hidden, local_ids, lse, grad_rows, dlogits,
+            T, V_local, H, start, cols,
+            hidden.stride(0), weight.stride(0), dlogits.stride(0), inv_temperature,
+            HAS_BIAS=bias is not None, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+            INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_upcast_operands(hidden.dtype),
+            EVEN_K=H % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        d_chunk = dlogits[:, :cols]
+        if need_dh:
+            if use_torch_mm:
+                d_hidden32.add_(torch.mm(d_chunk, weight[start:start + cols]))  # in-place upcast, no fp32 temp
+            else:
+                _matmul(d_chunk, weight[start:start + cols], d_hidden32, accumulate=True)
+        if need_dw:
+            if use_torch_mm:
+                torch.mm(d_chunk.t(), hidden, out=d_weight[start:start + cols])
+            else:
+                _matmul(d_chunk.t(), hidden, d_weight[start:start + cols], accumulate=False)
+        if need_db:
+            d_bias32[start:start + cols] = d_chunk.sum(dim=0, dtype=torch.float32)  # fp32 accumulate, no fp32 copy
+    d_hidden = None
+    if need_dh:
+        if tp_group is not None:
+            torch.distributed.all_reduce(d_hidden32, op=torch.distributed.ReduceOp.SUM, group=tp_group)
+        d_hidden = d_hidden32.to(hidden.dtype)
+    d_bias = d_bias32.to(bias.dtype) if need_db else None
+    return d_hidden, d_weight, d_bias
+
+
+class _LinearLogpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target_ids, temperature, tp_group, vocab_start):
+        inv_temperature = 1.0 / temperature
+        local_ids = _local_ids(target_ids, vocab_start)
+        target_logit, lse = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group)
+        ignored = target_ids == validation.IGNORE_INDEX
+        logp = torch.where(ignored, torch.zeros_like(lse), target_logit - lse)
+        ctx.save_for_backward(hidden, weight, bias, local_ids, lse, ignored)
+        ctx.inv_temperature = inv_temperature
+        ctx.tp_group = tp_group
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        hidden, weight, bias, local_ids, lse, ignored = ctx.saved_tensors
+        grad_rows = torch.where(ignored, torch.zeros_like(lse), grad_logp.float()).contiguous()
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        d_hidden, d_weight, d_bias = _backward(
+            hidden, weight, bias, local_ids, lse, grad_rows, ctx.inv_temperature, ctx.tp_group, needs
+        )
+        return d_hidden, d_weight, d_bias, None, None, None, None
+
+
+def check_linear_logp_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    tp_group: object | None,
+    vocab_start: int,
+    global_vocab: int | None,
+) -> int:
+    """Validates every input (errors name it); returns the global vocab size."""
+    validation.check_tensor(hidden, "hidden")
+    validation.check_tensor(weight, "weight")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
+    if hidden.dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"hidden dtype must be one of float32/bfloat16/float16, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
+        raise ValueError(f"hidden is empty: shape {tuple(hidden.shape)} (T and H must be > 0)")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight is empty: shape {tuple(weight.shape)} (V_local must be > 0)")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V_local, H={hidden.shape[1]}], got shape {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is not None:
+        validation.check_tensor(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}] (V_local), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ValueError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
+    validation.check_temperature(temperature)
+    v_local = weight.shape[0]
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start!r}")
+    if global_vocab is None:
+        if tp_group is not None:
+            raise ValueError("global_vocab is required with tp_group (the full vocab size over all shards)")
+        global_vocab = vocab_start + v_local
+    if isinstance(global_vocab, bool) or not isinstance(global_vocab, int) or global_vocab < vocab_start + v_local:
+        raise ValueError(
+            f"global_vocab must be an int >= vocab_start + V_local = {vocab_start + v_local}, got {global_vocab!r}"
+        )
+    if tp_group is None and (vocab_start != 0 or global_vocab != v_local):
+        raise ValueError(
+            f"without tp_group the weight must hold the whole vocab: vocab_start must be 0 and global_vocab "
+            f"{v_local}, got vocab_start={vocab_start}, global_vocab={global_vocab}"
+        )
+    validation.check_target_ids(target_ids, hidden.shape[0], global_vocab, hidden.device)
+    return global_vocab
+
+
+def linear_logp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    tp_group: object | None = None,
+    vocab_start: int = 0,
+    global_vocab: int | None = None,
+) -> torch.Tensor:
+    """Selected log-prob of ``target_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    See the module docstring for shapes, dtypes, the vocab-parallel mode and the memory bound.
+    Returns fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias.
+    """
+    check_linear_logp_inputs(hidden, weight, target_ids, bias, temperature, tp_group, vocab_start, global_vocab)
+    # The kernels read rows with unit stride along H.
+    hidden_c = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight_c = weight if weight.stride(1) == 1 else weight.contiguous()
+    bias_c = None if bias is None else bias.contiguous()
+    return _LinearLogpFunction.apply(
+        hidden_c, weight_c, bias_c, target_ids, float(temperature), tp_group, int(vocab_start)
+    )
+
+
+def workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype) -> int:
+    """Upper bound of the extra memory (beyond inputs and returned grads) forward+backward allocate
+    on a GPU (compiled tile sizes)."""
+    cfg = _tile_config(dtype, interpreted=False)
+    element = torch.empty((), dtype=dtype).element_size()
+    n_v = math.ceil(V_local / cfg.block_v)
+    forward = 2 * n_v * T * 4 + 3 * T * 4 + T * 4  # partials, target/lse/logp, int32 ids
+    backward = T * _vocab_chunk_cols(T, V_local, element, cfg.block_v) * element + T * H * 4 + V_local * 4 + T * 4
+    if _bwd_matmul() == "torch":
+        backward += T * H * element  # the per-chunk dH partial (bf16: 221 MB in all at the issue's shape)
+    return forward + backward
+
+
+__all__ = ["linear_logp", "check_linear_logp_inputs", "workspace_bytes", "BACKWARD_WORKSPACE_BYTES"]

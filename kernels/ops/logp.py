@@ -1,0 +1,219 @@
+"""Selected log-prob from logits: Triton kernels + autograd (single device and vocab-parallel).
+
+``logp(logits [T, V] fp32|bf16|fp16, target_ids [T] int64|int32, temperature) -> fp32 [T]``
+with ``logp_t = z_{t,id} - logsumexp(z_t)``, ``z = logits / temperature``.
+
+Forward: one program per row reads the row once in vocab tiles with an online max / sum-exp
+(no [T, V] intermediate); it stores the row max ``m`` and ``S`` (fp32 [T]) for the backward.
+Backward: one program per row recomputes ``softmax = exp(z - m) / S`` tile by tile and writes
+``dlogits = g * (onehot - softmax) / temperature`` once, in the logits dtype (fp32 math, one
+rounding at the store).
+
+Vocab-parallel (``tp_group``): logits are ``[T, V_local]``, this rank owning global ids
+``[rank * V_local, (rank + 1) * V_local)``. The kernel emits per-row local max, local sum-exp and
+the target partial (non-zero only on the owning rank); three all-reduces of T fp32 values (MAX,
+SUM, SUM) give the global ``m``, ``S`` and ``logp``; the backward is the same kernel as above with
+the global ``m`` and ``S`` and the shard-local target id (or none).
+
+Temperature: ``z = logits / temperature`` uses IEEE division (``div_rn``), as vime's
+``logits / T`` does; multiplying by ``1 / T`` instead changes z by an ulp, which the softmax turns
+into ~1e-6 gradient errors at |z| ~ 20. ``temperature == 1`` skips the division (constexpr).
+
+Row invariance: a row is reduced by one program over tiles in a fixed order, and the tile size
+depends only on V and the dtype, so a row's results do not depend on T, its position or padding.
+Rows whose id equals ``ignore_index`` give logp 0 and a zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kernels import validation
+
+
+def vocab_block(vocab: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of ``vocab`` elements; a function of V and dtype only."""
+    cap = 4096 if dtype == torch.float32 else 8192
+    block = min(cap, triton.next_power_of_2(vocab))
+    num_warps = 8 if block >= 4096 else 4
+    return block, num_warps
+
+
+@triton.jit
+def row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V: tl.constexpr, SCALE: tl.constexpr):
+    """Online max and sum of exp over one row: returns (m, S) with S = sum exp(z - m)."""
+    offs = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + offs
+        z = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            z = tl.math.div_rn(z, temperature)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+    return m, s
+
+
+@triton.jit
+def row_target(row_ptr, target_id, vocab_start, vocab, temperature, SCALE: tl.constexpr):
+    """(owned, z_target): whether this shard owns ``target_id`` and its scaled logit (0 if not)."""
+    local = target_id - vocab_start
+    owned = (local >= 0) & (local < vocab)
+    z_t = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
+    if SCALE:
+        z_t = tl.math.div_rn(z_t, temperature)
+    return owned, z_t
+
+
+@triton.jit
+def row_write_grad(
+    row_ptr, grad_row_ptr, coef, row_max, sumexp, local_target, vocab, temperature,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+):
+    """grad_row = coef * (onehot(local_target) - exp(z - m) / S) [/ temperature], in grad's dtype.
+
+    The softmax is formed as exp(z - m) * (coef / S), the order of the reference's autograd;
+    exp(z - lse) would carry lse's rounding (an ulp of ~20) into every probability."""
+    offs = tl.arange(0, BLOCK_V)
+    if SCALE:
+        coef = tl.math.div_rn(coef, temperature)
+    coef_over_s = tl.math.div_rn(coef, sumexp)
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + offs
+        in_row = cols < vocab
+        z = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        if SCALE:
+            z = tl.math.div_rn(z, temperature)
+        d = tl.where(cols == local_target, coef, 0.0) - tl.exp(z - row_max) * coef_over_s
+        tl.store(grad_row_ptr + cols, d.to(grad_row_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _logp_fwd_kernel(
+    logits_ptr, ids_ptr, out_ptr, max_ptr, sumexp_ptr,
+    stride_row, vocab, vocab_start, ignore_index, temperature,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target_id = tl.load(ids_ptr + row).to(tl.int64)
+    m, s = row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V, SCALE)
+    owned, z_t = row_target(row_ptr, target_id, vocab_start, vocab, temperature, SCALE)
+    ignored = target_id == ignore_index
+    tl.store(max_ptr + row, m)
+    tl.store(sumexp_ptr + row, s)
+    if PARTIAL:
+        # vocab-parallel: local statistics; the target partial is z_t on the owning shard only
+        tl.store(out_ptr + row, tl.where(owned & (~ignored), z_t, 0.0))
+    else:
+        tl.store(out_ptr + row, tl.where(ignored, 0.0, (z_t - m) - tl.log(s)))
+
+
+@triton.jit
+def _logp_bwd_kernel(
+    logits_ptr, grad_logits_ptr, ids_ptr, grad_out_ptr, max_ptr, sumexp_ptr,
+    stride_row, stride_grad_row, vocab, vocab_start, ignore_index, temperature,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    target_id = tl.load(ids_ptr + row).to(tl.int64)
+    ignored = target_id == ignore_index
+    g = tl.where(ignored, 0.0, tl.load(grad_out_ptr + row).to(tl.float32))
+    row_write_grad(
+        logits_ptr + row * stride_row, grad_logits_ptr + row * stride_grad_row, g,
+        tl.load(max_ptr + row), tl.load(sumexp_ptr + row),
+        target_id - vocab_start, vocab, temperature, BLOCK_V, SCALE,
+    )
+
+
+def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial):
+    num_tokens, vocab = logits.shape
+    out = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+    row_max = torch.empty_like(out)
+    row_sumexp = torch.empty_like(out)
+    block, warps = vocab_block(vocab, logits.dtype)
+    _logp_fwd_kernel[(num_tokens,)](
+        logits, ids, out, row_max, row_sumexp,
+        logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
+        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, num_warps=warps,
+    )
+    return out, row_max, row_sumexp
+
+
+def launch_logp_backward(
+    logits: torch.Tensor, grad_logits: torch.Tensor, ids: torch.Tensor, grad_out: torch.Tensor,
+    row_max: torch.Tensor, sumexp: torch.Tensor, temperature: float, ignore_index: int, vocab_start: int = 0,
+) -> torch.Tensor:
+    """Write ``grad_out * (onehot - softmax) / temperature`` into ``grad_logits`` (may be ``logits``);
+    ``row_max`` / ``sumexp``: the (global) row max and sum of exp(z - max), fp32 [T]."""
+    num_tokens, vocab = logits.shape
+    block, warps = vocab_block(vocab, logits.dtype)
+    _logp_bwd_kernel[(num_tokens,)](
+        logits, grad_logits, ids, grad_out, row_max, sumexp,
+        logits.stride(0), grad_logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
+        BLOCK_V=block, SCALE=temperature != 1.0, num_warps=warps,
+    )
+    return grad_logits
+
+
+def logp_forward_stats(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, ignore_index: int,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(logp, row max, sum-exp, vocab_start) without autograd; the max and sum-exp (fp32 [T]) are
+    global over the TP group and are what the backward needs."""
+    if tp_group is None:
+        logp, row_max, sumexp = _launch_fwd(logits, ids, temperature, ignore_index, 0, partial=False)
+        return logp, row_max, sumexp, 0
+    vocab_start = dist.get_rank(tp_group) * logits.shape[1]
+    target, local_max, local_sumexp = _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial=True)
+    global_max = local_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+    sumexp = local_sumexp * torch.exp(local_max - global_max)
+    dist.all_reduce(sumexp, op=dist.ReduceOp.SUM, group=tp_group)
+    dist.all_reduce(target, op=dist.ReduceOp.SUM, group=tp_group)
+    logp = torch.where(ids == ignore_index, torch.zeros_like(target), (target - global_max) - torch.log(sumexp))
+    return logp, global_max, sumexp, vocab_start
+
+
+class LogpFunction(torch.autograd.Function):
+    """Autograd wrapper: forward kernel (+ all-reduces under TP), backward kernel."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, ignore_index, tp_group):  # type: ignore[override]
+        logp, row_max, sumexp, vocab_start = logp_forward_stats(logits, ids, temperature, ignore_index, tp_group)
+        ctx.save_for_backward(logits, ids, row_max, sumexp)
+        ctx.temperature, ctx.ignore_index, ctx.vocab_start = temperature, ignore_index, vocab_start
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):  # type: ignore[override]
+        logits, ids, row_max, sumexp = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        launch_logp_backward(
+            logits, grad_logits, ids, grad_logp.contiguous(), row_max, sumexp, ctx.temperature, ctx.ignore_index,
+            ctx.vocab_start,
+        )
+        return grad_logits, None, None, None, None
+
+
+def logp(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    ignore_index: int = validation.IGNORE_INDEX,
+) -> torch.Tensor:
+    """Selected log-prob (see module docstring). logits [T, V] (or [T, V_local] with ``tp_group``),
+    target_ids [T] global ids -> fp32 [T], differentiable w.r.t. ``logits``."""
+    validation.check_logits(logits)
+    validation.check_temperature(temperature)
+    world = 1 if tp_group is None else dist.get_world_size(tp_group)
+    validation.check_target_ids(target_ids, logits.shape[0], logits.shape[1] * world, logits.device, ignore_index)
+    return LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)

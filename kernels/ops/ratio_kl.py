@@ -1,0 +1,135 @@
+"""ratio and KL from per-token log-probs: one elementwise Triton kernel each way + autograd.
+
+``ratio_kl(logp, old_logp, ref_logp, mask, kl_type, use_unbiased_kl) -> (ratio [T], kl [T])``,
+all fp32 [T] (mask bool or float): ``ratio = exp(logp - old) * mask``;
+``kl = compute_kl(logp, ref, kl_type, use_unbiased_kl) * mask`` (see kernels/reference/kl.py).
+Backward (to ``logp`` only): ``g_ratio * ratio + g_kl * dkl/dlogp * mask``, recomputed from the
+inputs (nothing [T]-sized is saved beyond the inputs). ``kl_value_and_grad`` is the KL math shared
+with the fused GRPO loss kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference.kl import KL_TYPES, check_kl_type
+from kernels.reference.ratio_kl import check_ratio_kl_inputs
+
+ELEMENTWISE_BLOCK = 1024
+
+
+def kl_type_code(kl_type: str) -> int:
+    """Constexpr code of a KL type for the kernels (index in KL_TYPES)."""
+    check_kl_type(kl_type)
+    return KL_TYPES.index(kl_type)
+
+
+@triton.jit
+def kl_value_and_grad(logp, ref_logp, old_logp, KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr):
+    """(kl, d kl / d logp) for KL_TYPE 0 k1, 1 k2, 2 k3, 3 low_var_kl (k3 clamped to +-10)."""
+    r = logp - ref_logp
+    if KL_TYPE == 0:
+        kl = r
+        dkl = tl.full(r.shape, 1.0, tl.float32)
+    elif KL_TYPE == 1:
+        kl = r * r / 2.0
+        dkl = r
+    else:
+        e = tl.exp(-r)
+        kl = e - 1.0 + r
+        dkl = 1.0 - e
+        if KL_TYPE == 3:
+            # torch.clamp passes the gradient on the closed interval [-10, 10]
+            inside = (kl >= -10.0) & (kl <= 10.0)
+            dkl = tl.where(inside, dkl, 0.0)
+            kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+    if UNBIASED:
+        w = tl.exp(logp - old_logp)
+        dkl = w * dkl + w * kl
+        kl = kl * w
+    return kl, dkl
+
+
+@triton.jit
+def _ratio_kl_fwd_kernel(
+    logp_ptr, old_ptr, ref_ptr, mask_ptr, ratio_ptr, kl_ptr, n,
+    BLOCK: tl.constexpr, KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    logp = tl.load(logp_ptr + offs, mask=valid, other=0.0)
+    old = tl.load(old_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    ref = tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    m = tl.load(mask_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    kl, _ = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
+    tl.store(ratio_ptr + offs, tl.exp(logp - old) * m, mask=valid)
+    tl.store(kl_ptr + offs, kl * m, mask=valid)
+
+
+@triton.jit
+def _ratio_kl_bwd_kernel(
+    logp_ptr, old_ptr, ref_ptr, mask_ptr, g_ratio_ptr, g_kl_ptr, grad_ptr, n,
+    BLOCK: tl.constexpr, KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    logp = tl.load(logp_ptr + offs, mask=valid, other=0.0)
+    old = tl.load(old_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    ref = tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    m = tl.load(mask_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    g_ratio = tl.load(g_ratio_ptr + offs, mask=valid, other=0.0)
+    g_kl = tl.load(g_kl_ptr + offs, mask=valid, other=0.0)
+    _, dkl = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
+    grad = (g_ratio * tl.exp(logp - old) + g_kl * dkl) * m
+    tl.store(grad_ptr + offs, grad, mask=valid)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, ELEMENTWISE_BLOCK),)
+
+
+class RatioKLFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, old_logp, ref_logp, mask, kl_code, unbiased):  # type: ignore[override]
+        n = logp.shape[0]
+        ratio = torch.empty_like(logp)
+        kl = torch.empty_like(logp)
+        _ratio_kl_fwd_kernel[_grid(n)](
+            logp, old_logp, ref_logp, mask, ratio, kl, n, BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased
+        )
+        ctx.save_for_backward(logp, old_logp, ref_logp, mask)
+        ctx.kl_code, ctx.unbiased = kl_code, unbiased
+        return ratio, kl
+
+    @staticmethod
+    def backward(ctx, g_ratio, g_kl):  # type: ignore[override]
+        logp, old_logp, ref_logp, mask = ctx.saved_tensors
+        g_ratio = torch.zeros_like(logp) if g_ratio is None else g_ratio.contiguous()
+        g_kl = torch.zeros_like(logp) if g_kl is None else g_kl.contiguous()
+        grad = torch.empty_like(logp)
+        n = logp.shape[0]
+        _ratio_kl_bwd_kernel[_grid(n)](
+            logp, old_logp, ref_logp, mask, g_ratio, g_kl, grad, n,
+            BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=ctx.kl_code, UNBIASED=ctx.unbiased,
+        )
+        return grad, None, None, None, None, None
+
+
+def ratio_kl(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_type: str = "low_var_kl",
+    use_unbiased_kl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logp, old_logp, ref_logp: [T] fp32 contiguous; mask [T] bool|float -> (ratio, kl) fp32 [T]."""
+    code = kl_type_code(kl_type)
+    check_ratio_kl_inputs(logp, old_logp, ref_logp, mask)
+    mask_f = mask.to(torch.float32).contiguous()
+    return RatioKLFunction.apply(
+        logp.contiguous(), old_logp.contiguous(), ref_logp.contiguous(), mask_f, code, bool(use_unbiased_kl)
+    )

@@ -1,0 +1,170 @@
+"""Input checks shared by every implementation of every op (references and Triton alike).
+
+Every check raises ``ValueError`` (or ``TypeError`` for a wrong type) with a message that names
+the offending input, so a fallback from a kernel to the reference never changes which inputs are
+accepted.
+
+Policies (stated once, here):
+
+* **Ignore index.** A target id equal to ``ignore_index`` (default ``-100``, the value vime and
+  Hugging Face use) is allowed: that row's log-prob is ``0`` and its gradient is ``0``. Any other
+  id outside ``[0, V)`` is an error naming ``target_ids``. The range check reads the ids (one
+  device sync); ``VIME_RL_KERNEL_CHECK_IDS=0`` skips it for host-overhead benchmarks only.
+* **Empty inputs.** ``T == 0`` or ``V == 0`` is an error (``"... is empty"``): there is no
+  meaningful log-prob or loss of nothing, and vime never produces one.
+* **All-zero masks.** Allowed. A sample whose mask is all zero contributes exactly ``0`` to
+  ``sum_of_sample_mean`` (its normalizer is ``clamp(sum(mask), min=1)``), never NaN.
+* **NaN/Inf logits.** Default: not checked (checking reads the whole logits tensor again). A
+  non-finite logit makes that row's log-prob and gradient non-finite and affects no other row
+  (every row is computed independently). With ``VIME_RL_KERNEL_CHECK_FINITE=1`` (or
+  ``check_finite=True`` where a function accepts it) a non-finite value raises ``ValueError``
+  naming the input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+IGNORE_INDEX = -100
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ID_DTYPES = (torch.int64, torch.int32)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _compiling() -> bool:
+    # under torch.compile the data-dependent checks (which sync) would break the graph; the
+    # compiled peers in the benchmarks run the math only
+    return torch.compiler.is_compiling()
+
+
+def ids_check_enabled() -> bool:
+    return _env_flag("VIME_RL_KERNEL_CHECK_IDS", True) and not _compiling()
+
+
+def finite_check_enabled() -> bool:
+    return _env_flag("VIME_RL_KERNEL_CHECK_FINITE", False)
+
+
+def check_tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_logits(logits: torch.Tensor, name: str = "logits", *, check_finite: bool | None = None) -> None:
+    """logits: [T, V] float32|bfloat16|float16, contiguous along V (stride(1) == 1), T, V > 0."""
+    check_tensor(logits, name)
+    if logits.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [T, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"{name} dtype must be one of float32/bfloat16/float16, got {logits.dtype}")
+    if logits.shape[0] == 0 or logits.shape[1] == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(logits.shape)} (T and V must be > 0)")
+    if logits.stride(1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous along the vocab dimension (stride(1) == 1), got strides "
+            f"{logits.stride()}; call .contiguous()"
+        )
+    if check_finite is None:
+        check_finite = finite_check_enabled()
+    if check_finite:
+        check_all_finite(logits, name)
+
+
+def check_all_finite(x: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN/Inf)")
+
+
+def check_target_ids(
+    ids: torch.Tensor,
+    num_tokens: int,
+    vocab_size: int,
+    device: torch.device,
+    ignore_index: int = IGNORE_INDEX,
+    name: str = "target_ids",
+) -> None:
+    """ids: [T] int64|int32 on ``device``, each in [0, vocab_size) or equal to ignore_index."""
+    check_tensor(ids, name)
+    if ids.dtype not in ID_DTYPES:
+        raise ValueError(f"{name} dtype must be int64 or int32, got {ids.dtype}")
+    if ids.dim() != 1 or ids.shape[0] != num_tokens:
+        raise ValueError(f"{name} must have shape [{num_tokens}] (one id per logits row), got {tuple(ids.shape)}")
+    if ids.device != device:
+        raise ValueError(f"{name} is on {ids.device} but logits are on {device}")
+    if ids_check_enabled() and num_tokens > 0:
+        bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore_index)
+        if bool(bad.any()):
+            first = int(ids[bad][0])
+            raise ValueError(
+                f"{name} has {int(bad.sum())} id(s) outside [0, {vocab_size}) (first: {first}); "
+                f"only ignore_index={ignore_index} may lie outside"
+            )
+
+
+def check_token_vector(
+    x: torch.Tensor, name: str, num_tokens: int, device: torch.device, *, floating: bool = True
+) -> None:
+    """x: [T] on ``device``; floating point when ``floating``."""
+    check_tensor(x, name)
+    if x.dim() != 1 or x.shape[0] != num_tokens:
+        raise ValueError(f"{name} must have shape [{num_tokens}], got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but expected {device}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if num_tokens == 0:
+        raise ValueError(f"{name} is empty (T == 0)")
+
+
+def check_mask(mask: torch.Tensor, name: str, num_tokens: int, device: torch.device) -> None:
+    """mask: [T] bool or float (0/1 weights) on ``device``."""
+    check_token_vector(mask, name, num_tokens, device, floating=False)
+    if not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise ValueError(f"{name} must be bool or floating point, got {mask.dtype}")
+
+
+def check_temperature(temperature: float) -> None:
+    if isinstance(temperature, torch.Tensor):
+        raise TypeError("temperature must be a Python float, not a tensor")
+    t = float(temperature)
+    if not math.isfinite(t) or t <= 0.0:
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+
+
+def check_lengths(
+    lengths: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    num_tokens: int,
+) -> None:
+    """Packed samples: ``lengths`` [B] (>= 0, summing to T) or ``cu_seqlens`` [B+1] (0, ..., T)."""
+    if lengths is not None and cu_seqlens is not None:
+        raise ValueError("pass lengths or cu_seqlens, not both")
+    if _compiling():
+        return
+    if lengths is not None:
+        check_tensor(lengths, "lengths")
+        if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+            raise ValueError(f"lengths must be a 1-D integer tensor [B], got {lengths.dtype} {tuple(lengths.shape)}")
+        if bool((lengths < 0).any()):
+            raise ValueError("lengths has negative entries")
+        if int(lengths.sum()) != num_tokens:
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but there are {num_tokens} tokens")
+    if cu_seqlens is not None:
+        check_tensor(cu_seqlens, "cu_seqlens")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={num_tokens}, got {cu_seqlens[0]}..{cu_seqlens[-1]}")
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")

@@ -1,0 +1,53 @@
+"""Default tolerance bands per metric kind, each with the source it comes from.
+
+A test overrides them with ``record(..., band=...)``; error metrics should always pass the
+operator's tolerance as ``abs_floor``.
+"""
+from __future__ import annotations
+
+from pytest_rlk.schema import Band, Window
+
+DEFAULT_BANDS: dict[str, Band] = {
+    "time": Band(rel=0.15, source="Megatron golden values: iteration time +-15% on the median after warmup"),
+    "memory": Band(rel=0.10, source="Megatron golden values: peak memory upper bound +10%"),
+    "reward": Band(rel=0.2, abs_floor=0.05, source="miles: raw_reward down rel 0.2 / abs 0.05"),
+    "logprob_diff": Band(rel=0.5, abs_floor=0.02, source="miles: logprob diff and KL up rel 0.5 / abs 0.02"),
+    "prob_diff": Band(rel=0.5, abs_floor=0.005, source="verl: |p_train - p_rollout| < 0.005 is normal"),
+    "loss": Band(rel=0.01, source="Megatron GRPO tests: loss rtol 1%"),
+    "throughput": Band(rel=0.10, source="rlk default: throughput -10% (Megatron memory/time bands' order)"),
+    "error": Band(
+        rel=1.0,
+        source="rlk default for error metrics without a tolerance: fails when the error more than "
+        "doubles; pass band=Band(abs_floor=<op tolerance>) from kernels.tolerances",
+    ),
+    "count": Band(source="rlk default: counts are exact"),
+    "generic": Band(rel=0.10, source="rlk generic default: +-10%"),
+}
+
+# Series in these spaces are aggregated with the median after warmup unless a window is given.
+_DEFAULT_WINDOWS: dict[str, Window] = {
+    "time": Window(skip=1, agg="median"),
+    "throughput": Window(skip=1, agg="median"),
+}
+
+
+def metric_kind(name: str, space: str) -> str:
+    """Which default applies: by space first, then by what the name says it measures."""
+    lowered = name.lower()
+    if space == "error" or "err" in lowered:
+        return "error"
+    if space in ("time", "memory", "reward", "loss", "throughput", "count"):
+        return space
+    if space == "prob":
+        return "prob_diff"
+    if space in ("logprob", "ratio") or "kl" in lowered:
+        return "logprob_diff"
+    return "generic"
+
+
+def default_band(name: str, space: str) -> Band:
+    return DEFAULT_BANDS[metric_kind(name, space)]
+
+
+def default_window(space: str) -> Window:
+    return _DEFAULT_WINDOWS.get(space, Window())

@@ -1,0 +1,162 @@
+"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge`` (+ extension commands).
+
+Exit codes: 0 clean, 1 a regression (or an improvement under --fail-on-improvement, or a
+missing baseline under --require-baselines), 2 usage error or an unreadable/corrupt file.
+
+Other parts add subcommands through ``add_subcommands(subparsers)`` in ``pytest_rlk.e2e.cli``
+and ``pytest_rlk.bench_cli``; each subparser sets ``func=handler`` with ``handler(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from pytest_rlk import storage
+from pytest_rlk.compare import compare_records, compare_to_baseline
+from pytest_rlk.gate import UNTIERED
+from pytest_rlk.options import OptionError, parse_refresh_rel
+from pytest_rlk.schema import GateResult, RunRecord
+from pytest_rlk.session import merge_run
+from pytest_rlk.table import diff_table
+
+EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli")
+
+
+def _load_run(arg: str, artifacts: Path | None) -> tuple[Path, RunRecord]:
+    path = storage.resolve_run_file(arg, artifacts)
+    return path, storage.load_run(path)
+
+
+def diff_against_baselines(run: RunRecord, baselines: Path, *, refresh_rel: float | None) -> list[GateResult]:
+    platform = run.manifest.platform.tag
+    results = []
+    for test in run.tests:
+        if not any(m.gate for m in test.metrics):
+            continue
+        tier = test.tier or UNTIERED
+        path, baseline = storage.find_baseline(baselines, tier, platform, test.case)
+        result = compare_to_baseline(test, baseline, refresh_rel=refresh_rel)
+        result.baseline_path = str(path)
+        results.append(result)
+    return results
+
+
+def diff_runs(a: RunRecord, b: RunRecord, *, refresh_rel: float | None) -> list[GateResult]:
+    """A/B per case: A is the reference. A case missing from one side shows all its metrics."""
+    a_cases = {t.case: t for t in a.tests if t.metrics}
+    b_cases = {t.case: t for t in b.tests if t.metrics}
+    results = []
+    for case in sorted(a_cases.keys() | b_cases.keys()):
+        a_metrics = [m for m in a_cases[case].metrics if m.gate] if case in a_cases else []
+        b_metrics = [m for m in b_cases[case].metrics if m.gate] if case in b_cases else []
+        results.append(compare_records(a_metrics, b_metrics, case=case, refresh_rel=refresh_rel))
+    return results
+
+
+def _exit_code(results: list[GateResult], *, fail_on_improvement: bool, require_baselines: bool) -> int:
+    failed = any(r.failed(fail_on_improvement=fail_on_improvement) for r in results)
+    missing = require_baselines and any(r.missing_baseline for r in results)
+    return 1 if failed or missing else 0
+
+
+def _verdict_counts(results: list[GateResult]) -> str:
+    counts: dict[str, int] = {}
+    for c in (c for r in results for c in r.comparisons):
+        counts[c.verdict.value] = counts.get(c.verdict.value, 0) + 1
+    return ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "nothing to compare"
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    refresh_rel = parse_refresh_rel(args.refresh_rel)
+    new_path, new = _load_run(args.runs[0], args.artifacts)
+    if len(args.runs) == 2:
+        b_path, b = _load_run(args.runs[1], args.artifacts)
+        results = diff_runs(new, b, refresh_rel=refresh_rel)
+        print(f"A/B: A = {new_path} ({new.status}), B = {b_path} ({b.status})")
+    else:
+        results = diff_against_baselines(new, args.baselines, refresh_rel=refresh_rel)
+        print(f"run {new_path} ({new.status}) vs baselines {args.baselines} "
+              f"(platform {new.manifest.platform.tag})")
+    print(diff_table(results))
+    print(_verdict_counts(results))
+    return _exit_code(results, fail_on_improvement=args.fail_on_improvement,
+                      require_baselines=args.require_baselines)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pytest_rlk.report import write_report  # matplotlib: only for this command
+
+    run_path, run = _load_run(args.run, args.artifacts)
+    out = args.output or run_path.parent / "report"
+    path = write_report(run, out)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    run_dir = storage.resolve_run_dir(args.run_dir, args.artifacts)
+    run = merge_run(run_dir)
+    print(f"{run_dir / storage.RUN_FILE}: status {run.status}, {len(run.tests)} tests")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlk", description="pytest-rlk runs: diff, report, merge")
+    parser.add_argument("--artifacts", type=Path, default=None,
+                        help="where 'latest' is looked up (default: .rlk/runs)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    diff = sub.add_parser("diff", help="compare a run with the baselines, or run A with run B")
+    diff.add_argument("runs", nargs="+", metavar="RUN",
+                      help="NEW_RUN (vs baselines) or RUN_A RUN_B (A/B); a run dir, run.json or 'latest'")
+    diff.add_argument("--baselines", type=Path, default=Path("baselines"), help="default: baselines/")
+    diff.add_argument("--refresh-rel", default=None, metavar="X",
+                      help="flag values better than baseline by more than max(X*|ref|, abs_floor)")
+    diff.add_argument("--fail-on-improvement", action="store_true", help="exit 1 on 'refresh the baseline' too")
+    diff.add_argument("--require-baselines", action="store_true", help="exit 1 when a baseline is missing")
+    diff.set_defaults(func=cmd_diff)
+
+    report = sub.add_parser("report", help="write report.md and PNG plots for a run")
+    report.add_argument("run", metavar="RUN", help="a run dir, run.json or 'latest'")
+    report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
+    report.set_defaults(func=cmd_report)
+
+    merge = sub.add_parser("merge", help="merge a run's part files into run.json (crashed runs too)")
+    merge.add_argument("run_dir", metavar="DIR", help="a run dir or 'latest'")
+    merge.set_defaults(func=cmd_merge)
+
+    for name in EXTENSION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and name.startswith(exc.name):
+                continue  # that part is not installed: no subcommands from it
+            print(f"rlk: warning: subcommands of {name} not loaded: {exc}", file=sys.stderr)
+            continue
+        except ImportError as exc:
+            print(f"rlk: warning: subcommands of {name} not loaded: {exc}", file=sys.stderr)
+            continue
+        add = getattr(module, "add_subcommands", None)
+        if not callable(add):
+            print(f"rlk: warning: {name} has no add_subcommands(subparsers)", file=sys.stderr)
+            continue
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(getattr(args, "runs", ())) > 2:
+        parser.error("diff takes NEW_RUN or RUN_A RUN_B")
+    try:
+        return int(args.func(args))
+    except (storage.RlkFileError, OptionError) as exc:
+        print(f"rlk: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

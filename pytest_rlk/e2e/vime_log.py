@@ -1,0 +1,245 @@
+"""Parser of vime's stdout metric lines (the primary metric source of a vime run).
+
+vime logs every metric dict as a Python dict repr on one line (vime-facts.md, "Metrics"):
+
+    [2026-11-22 07:00:00] train.py:88 - rollout 3: {'rollout/raw_reward': np.float64(0.5), ...}
+
+Under Ray the line is preceded by `(ActorName pid=N) ` (sometimes with `, ip=...`), possibly with
+ANSI colours, and Ray may append `[repeated 3x across cluster]`. Kinds: `rollout N`, `step N`,
+`perf N` (two lines per rollout, rollout manager and trainer: merged by key) and `eval N`.
+Values may print as `np.float64(x)`; `nan`/`inf` print bare.
+
+A line that announces a metric dict but cannot be read is kept as a `MalformedLine` (never
+silently dropped); `parse_vime_log(..., strict=True)` raises on the first one instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pytest_rlk.e2e import metrics as m
+
+# vime key -> canonical e2e metric name (pytest_rlk.e2e.metrics).
+VIME_KEY_MAP: dict[str, str] = {
+    "rollout/raw_reward": m.RAW_REWARD,
+    "rollout/response_lengths": m.RESPONSE_LENGTH,
+    "rollout/log_probs": m.LOG_PROBS,
+    "rollout/rollout_log_probs": m.ROLLOUT_LOG_PROBS,
+    "rollout/kl": m.ROLLOUT_KL,
+    "train/loss": m.LOSS,
+    "train/pg_loss": m.PG_LOSS,
+    "train/pg_clipfrac": m.PG_CLIPFRAC,
+    "train/ppo_kl": m.PPO_KL,
+    "train/kl_loss": m.KL_LOSS,
+    "train/entropy_loss": m.ENTROPY_LOSS,
+    "train/train_rollout_logprob_abs_diff": m.ABS_DIFF,
+    "train/grad_norm": m.GRAD_NORM,
+    "perf/rollout_time": m.ROLLOUT_TIME,
+    "perf/log_probs_time": m.LOG_PROBS_TIME,
+    "perf/ref_log_probs_time": m.REF_LOG_PROBS_TIME,
+    "perf/actor_train_time": m.ACTOR_TRAIN_TIME,
+    "perf/train_time": m.TRAIN_TIME,
+    # Weight sync after rollout N-1 is reported in rollout N's perf line.
+    "perf/update_weights_time": m.UPDATE_WEIGHTS_TIME,
+    "perf/step_time": m.STEP_TIME,
+    "perf/tokens_per_gpu_per_sec": m.TOKENS_PER_GPU_PER_S,
+    "perf/actor_train_tok_per_s": m.TRAIN_TOKENS_PER_S,
+    # The fork's counter and our custom loss's `rlk_fallback` (logged by vime under train/).
+    "train/rl_kernel_fallback_count": m.FALLBACK_COUNT,
+    "train/rlk_fallback": m.FALLBACK_COUNT,
+}
+
+# Evidence lines of a fallback: the fork's provider path and our dispatcher's WARNING.
+FALLBACK_LINE = re.compile(
+    r"Falling back to vime logprob path because RL-Kernel \S+ is unavailable|"
+    r"kernels: \S+ falls back to reference:"
+)
+PROVIDER_ACTIVE_LINE = re.compile(r"linear_logp provider active:")
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAY_PREFIX = re.compile(r"^\s*\([A-Za-z_][\w.:-]*(?: pid=\d+)?(?:, ip=[\w.:-]+)?\)\s*")
+_RAY_REPEAT = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
+_LOG_PREFIX = re.compile(r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]\s+[\w./-]+:\d+\s+-\s+")
+_METRIC_LINE = re.compile(r"^(rollout|step|perf|eval) (-?\d+): (.*)$")
+_NUMPY_SCALARS = frozenset({"float64", "float32", "float16", "int64", "int32", "bool_"})
+KINDS: tuple[str, ...] = ("rollout", "step", "perf", "eval")
+
+
+class VimeLogError(ValueError):
+    """A malformed metric line under strict parsing (names the line number and the reason)."""
+
+
+@dataclass(frozen=True)
+class MalformedLine:
+    lineno: int
+    text: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"line {self.lineno}: {self.reason}: {self.text[:200]}"
+
+
+@dataclass
+class VimeLog:
+    """Metric dicts by kind and index, with everything that could not be read."""
+
+    records: dict[str, dict[int, dict[str, float]]] = field(
+        default_factory=lambda: {kind: {} for kind in KINDS}
+    )
+    malformed: list[MalformedLine] = field(default_factory=list)
+    fallback_lines: list[str] = field(default_factory=list)
+    provider_active_lines: list[str] = field(default_factory=list)
+    lines_read: int = 0
+
+    @property
+    def rollout_ids(self) -> list[int]:
+        ids = set(self.records["rollout"]) | set(self.records["perf"])
+        return sorted(ids)
+
+    def series(self, steps_per_rollout: int = 1) -> m.ArmSeries:
+        """Canonical per-rollout series; train steps are averaged within their rollout.
+
+        `step N` lines are the trainer's global step: rollout = N // steps_per_rollout. A metric
+        missing at some rollout is an error naming the metric and the rollout (series must be
+        aligned with the rollout index for windows to mean the same rollouts in both arms).
+        """
+        if steps_per_rollout < 1:
+            raise ValueError(f"steps_per_rollout must be >= 1, got {steps_per_rollout}")
+        by_rollout: dict[int, dict[str, list[float]]] = {}
+        for kind in ("rollout", "perf"):
+            for rid, values in self.records[kind].items():
+                slot = by_rollout.setdefault(rid, {})
+                for key, value in values.items():
+                    slot.setdefault(key, []).append(value)
+        for step, values in self.records["step"].items():
+            slot = by_rollout.setdefault(step // steps_per_rollout, {})
+            for key, value in values.items():
+                slot.setdefault(key, []).append(value)
+        if not by_rollout:
+            return {}
+        rollouts = sorted(by_rollout)
+        if rollouts != list(range(rollouts[0], rollouts[0] + len(rollouts))):
+            raise VimeLogError(f"rollout ids are not contiguous: {rollouts}")
+        out: m.ArmSeries = {}
+        names: dict[str, str] = {}
+        for rid in rollouts:
+            for key in by_rollout[rid]:
+                names.setdefault(key, VIME_KEY_MAP.get(key, key))
+        for key, name in names.items():
+            column: list[float] = []
+            for rid in rollouts:
+                values = by_rollout[rid].get(key)
+                if values is None:
+                    # update_weights_time has no value before the first sync: not a gap.
+                    if key == "perf/update_weights_time" and not column:
+                        continue
+                    raise VimeLogError(f"metric {key!r} missing at rollout {rid}")
+                column.append(math.fsum(values) / len(values))
+            if name in out:  # two vime keys for one canonical metric (fallback counters)
+                out[name] = [max(a, b) for a, b in zip(out[name], column, strict=True)]
+            else:
+                out[name] = column
+        return out
+
+
+def _strip(line: str) -> str:
+    line = _ANSI.sub("", line.rstrip("\r\n"))
+    line = _RAY_PREFIX.sub("", line, count=1)
+    line = _RAY_REPEAT.sub("", line)
+    return _LOG_PREFIX.sub("", line, count=1)
+
+
+def _literal(node: ast.AST) -> object:
+    """Evaluate the subset of Python a vime metric dict prints: numbers, strings, bools, None,
+    lists/tuples, negation, `nan`/`inf`, and numpy scalar reprs like `np.float64(1.5)`."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Name) and node.id in ("nan", "inf"):
+        return float(node.id)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id in ("np", "numpy")
+        and node.func.attr in _NUMPY_SCALARS
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        return _literal(node.args[0])
+    raise ValueError(f"unsupported expression {ast.dump(node)[:80]}")
+
+
+def parse_metric_dict(text: str) -> dict[str, float]:
+    """`{'a/b': np.float64(1.0), ...}` -> {'a/b': 1.0}; raises ValueError naming the problem."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not a Python dict ({exc.msg})") from None
+    if not isinstance(tree.body, ast.Dict):
+        raise ValueError("not a dict")
+    out: dict[str, float] = {}
+    for key_node, value_node in zip(tree.body.keys, tree.body.values, strict=True):
+        if key_node is None:
+            raise ValueError("dict unpacking is not a metric")
+        key = _literal(key_node)
+        if not isinstance(key, str):
+            raise ValueError(f"non-string key {key!r}")
+        value = _literal(value_node)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"key {key!r}: non-numeric value {value!r}")
+        out[key] = float(value)
+    return out
+
+
+def parse_vime_lines(lines: Iterable[str], *, strict: bool = False) -> VimeLog:
+    log = VimeLog()
+    for lineno, raw in enumerate(lines, start=1):
+        log.lines_read = lineno
+        line = _strip(raw)
+        if FALLBACK_LINE.search(line):
+            log.fallback_lines.append(line)
+        if PROVIDER_ACTIVE_LINE.search(line):
+            log.provider_active_lines.append(line)
+        match = _METRIC_LINE.match(line)
+        if not match:
+            continue
+        kind, index, body = match.group(1), int(match.group(2)), match.group(3)
+        try:
+            values = parse_metric_dict(body)
+        except ValueError as exc:
+            bad = MalformedLine(lineno, raw.rstrip("\r\n"), f"{kind} {index}: {exc}")
+            if strict:
+                raise VimeLogError(bad.describe()) from None
+            log.malformed.append(bad)
+            continue
+        slot = log.records[kind].setdefault(index, {})
+        conflicts = [k for k, v in values.items() if k in slot and slot[k] != v]
+        if conflicts:
+            bad = MalformedLine(lineno, raw.rstrip("\r\n"),
+                                f"{kind} {index}: conflicting values for {conflicts} across lines")
+            if strict:
+                raise VimeLogError(bad.describe())
+            log.malformed.append(bad)
+            continue
+        slot.update(values)  # the two perf lines of a rollout merge by key
+    return log
+
+
+def parse_vime_log(path: str | Path, *, strict: bool = False) -> VimeLog:
+    path = Path(path)
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        try:
+            return parse_vime_lines(fh, strict=strict)
+        except VimeLogError as exc:
+            raise VimeLogError(f"{path}: {exc}") from None

@@ -1,0 +1,92 @@
+"""The per-test gate: compare a finished test's metrics with its baseline, update baselines.
+
+``--rlk-update-baselines=failed`` rewrites only baselines that fail (regressed or missing
+metrics, a missing file, new metrics) and the test still fails; ``=all`` rewrites every baseline
+a test touches and the gate passes. In a failed-mode rewrite, metrics that passed keep their old
+reference, so a rewrite never drifts values that were fine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytest_rlk import storage
+from pytest_rlk.compare import baseline_metric_from, compare_to_baseline
+from pytest_rlk.schema import SCHEMA_VERSION, Baseline, GateResult, TestRecord, Verdict
+
+UNTIERED = "untiered"
+_REWRITE_IN_FAILED_MODE = (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.MISSING_BASELINE,
+                           Verdict.NEW_METRIC)
+
+
+@dataclass
+class GateSettings:
+    baselines: Path
+    platform: str
+    update: str | None = None  # None | "failed" | "all"
+    require: bool = False
+    refresh_rel: float | None = None
+    fail_on_improvement: bool = False
+
+
+@dataclass
+class GateOutcome:
+    result: GateResult
+    failure: str | None  # the message the test fails with; None when it passes
+
+
+def gate_test(record: TestRecord, settings: GateSettings, provenance: dict[str, object]) -> GateOutcome:
+    tier = record.tier or UNTIERED
+    path = storage.baseline_path(settings.baselines, tier, settings.platform, record.case)
+    baseline = None
+    if path.exists():
+        try:
+            baseline = storage.load_baseline(path, tier=tier, platform=settings.platform, case=record.case)
+        except storage.RlkFileError:
+            if settings.update != "all":  # =all is the documented way to replace a bad file
+                raise
+    result = compare_to_baseline(record, baseline, refresh_rel=settings.refresh_rel)
+    result.baseline_path = str(path)
+
+    problems = [f"{c.name}: {c.verdict.label}: baseline {c.baseline:.6g}, new {c.new:.6g} ({c.detail})"
+                if c.baseline is not None and c.new is not None else f"{c.name}: {c.verdict.label} ({c.detail})"
+                for c in result.regressions]
+    if settings.fail_on_improvement:
+        problems += [f"{c.name}: {c.verdict.label}: baseline {c.baseline:.6g}, new {c.new:.6g} "
+                     f"({c.detail}; --rlk-fail-on-improvement)" for c in result.improvements]
+    if settings.require and result.missing_baseline:
+        problems.append(f"no baseline at {path} (--rlk-require-baselines); record one with "
+                        "--rlk-update-baselines=failed")
+
+    if settings.update == "all" or (settings.update == "failed" and (problems or _needs_rewrite(result))):
+        keep_old = settings.update == "failed" and baseline is not None
+        _write(path, record, tier, settings, provenance, result, baseline if keep_old else None)
+        result.baseline_written = True
+    if settings.update == "all":
+        problems = []
+    if not problems:
+        return GateOutcome(result, None)
+    written = f"\n  baseline rewritten: {path}" if result.baseline_written else ""
+    return GateOutcome(result, f"rlk gate failed for case {record.case!r} ({path}):\n  "
+                       + "\n  ".join(problems) + written)
+
+
+def _needs_rewrite(result: GateResult) -> bool:
+    return bool(result.with_verdict(*_REWRITE_IN_FAILED_MODE))
+
+
+def _write(path: Path, record: TestRecord, tier: str, settings: GateSettings,
+           provenance: dict[str, object], result: GateResult, old: Baseline | None) -> None:
+    verdicts = {c.name: c.verdict for c in result.comparisons}
+    metrics = {}
+    for m in record.metrics:
+        if not m.gate:
+            continue
+        if old is not None and m.name in old.metrics and verdicts.get(m.name) not in _REWRITE_IN_FAILED_MODE \
+                and not (settings.fail_on_improvement and verdicts.get(m.name) is Verdict.IMPROVED):
+            metrics[m.name] = old.metrics[m.name]
+        else:
+            metrics[m.name] = baseline_metric_from(m)
+    storage.write_baseline(path, Baseline(
+        schema_version=SCHEMA_VERSION, tier=tier, case=record.case, platform=settings.platform,
+        provenance={**provenance, "nodeid": record.nodeid}, metrics=metrics))

@@ -1,0 +1,121 @@
+"""Marker registry and the question "can this machine serve this test?" (plain functions)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+
+from pytest_rlk.schema import PlatformInfo
+
+TIERS: tuple[str, ...] = ("op", "module", "e2e")
+PLATFORM_TAGS: tuple[str, ...] = ("h100", "h200", "a100", "gb200")
+PLATFORM_NAMES = {"h100": "H100", "h200": "H200", "a100": "A100", "gb200": "GB200"}
+
+# Model checkpoints the model markers need under --rlk-model-root, as directory names.
+CHECKPOINT_DIRS: dict[str, tuple[str, ...]] = {
+    "qwen3_4b": ("qwen3_4b", "Qwen3-4B"),
+    "qwen3_30b_a3b": ("qwen3_30b_a3b", "Qwen3-30B-A3B"),
+    "glm45_air": ("glm45_air", "GLM-4.5-Air"),
+}
+
+MARKERS: dict[str, str] = {
+    "op": "tier: operator parity, invariance, bad input and benchmarks",
+    "module": "tier: training step, vocab-parallel and vLLM drift checks",
+    "e2e": "tier: end-to-end A/B runs",
+    "bench": "benchmark (timing) test",
+    "slow": "slow test",
+    "vime": "needs a vime checkout (--rlk-vime-root)",
+    "h100": "needs an NVIDIA H100 (several hardware markers on one test mean any of them)",
+    "h200": "needs an NVIDIA H200",
+    "a100": "needs an NVIDIA A100",
+    "gb200": "needs an NVIDIA GB200",
+    "gpu": "needs at least one CUDA GPU",
+    "cpu": "runs on CPU (always servable)",
+    "gpus(n)": "needs at least n CUDA GPUs",
+    "gpu_mem(gb)": "needs at least gb GB (1e9 bytes) of memory per GPU",
+    "qwen3_4b": "needs the Qwen3-4B checkpoint under --rlk-model-root",
+    "qwen3_30b_a3b": "needs the Qwen3-30B-A3B checkpoint under --rlk-model-root",
+    "glm45_air": "needs the GLM-4.5-Air checkpoint under --rlk-model-root",
+    "moe": "exercises a mixture-of-experts model",
+    "r3": "exercises rollout routing replay (R3)",
+    "tiny": "uses a tiny random model built from a config (always servable)",
+}
+
+
+def marker_lines() -> list[str]:
+    """Lines for ``config.addinivalue_line("markers", ...)``."""
+    return [f"{name}: {text}" for name, text in MARKERS.items()]
+
+
+def tier_of(path: PurePath, marker_names: Iterable[str]) -> str | None:
+    """An explicit tier marker wins; else ``.../suites/<tier>/...``; else untiered (None)."""
+    names = set(marker_names)
+    explicit = [t for t in TIERS if t in names]
+    if explicit:
+        return explicit[0]
+    parts = path.parts
+    for i, part in enumerate(parts[:-1]):
+        if part == "suites" and parts[i + 1] in TIERS:
+            return parts[i + 1]
+    return None
+
+
+@dataclass
+class ServeContext:
+    """What the machine and the options offer, for :func:`unserved_reason`."""
+
+    platform: PlatformInfo
+    vime_root: Path | None = None
+    model_root: Path | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def _a(name: str) -> str:
+    return ("an " if name[0] in "AEFHILMNORSX" else "a ") + name
+
+
+def _int_arg(name: str, args: tuple) -> float:
+    if len(args) != 1 or not isinstance(args[0], (int, float)) or args[0] < 0:
+        raise ValueError(f"marker {name} takes one non-negative number, got {args!r}")
+    return args[0]
+
+
+def unserved_reason(marks: Iterable[tuple[str, tuple]], ctx: ServeContext) -> str | None:
+    """Why this machine cannot serve a test with these ``(name, args)`` marks; None if it can.
+
+    Every unmet requirement is named, joined with "; ".
+    """
+    marks = list(marks)
+    names = [n for n, _ in marks]
+    plat = ctx.platform
+    reasons: list[str] = []
+
+    wanted = [t for t in PLATFORM_TAGS if t in names]
+    if wanted and plat.tag not in wanted:
+        needed = " or ".join(PLATFORM_NAMES[t] for t in wanted)
+        reasons.append(f"needs {_a(needed)} (this machine: {plat.describe()})")
+    if "gpu" in names and plat.device_count < 1:
+        reasons.append(f"needs a GPU (this machine: {plat.describe()})")
+    for name, args in marks:
+        if name == "gpus":
+            n = _int_arg(name, args)
+            if plat.device_count < n:
+                reasons.append(f"needs {n:g} GPUs (found {plat.device_count})")
+        elif name == "gpu_mem":
+            gb = _int_arg(name, args)
+            have = plat.memory_bytes / 1e9
+            if have < gb:
+                reasons.append(f"needs {gb:g} GB GPU memory (found {have:.0f})")
+    for model, dirs in CHECKPOINT_DIRS.items():
+        if model not in names:
+            continue
+        if ctx.model_root is None:
+            reasons.append(f"needs checkpoint {model} under --rlk-model-root (not given)")
+        elif not any((ctx.model_root / d).is_dir() for d in dirs):
+            reasons.append(
+                f"needs checkpoint {model} under --rlk-model-root "
+                f"(none of {', '.join(dirs)} in {ctx.model_root})"
+            )
+    if "vime" in names and ctx.vime_root is None:
+        reasons.append("needs a vime checkout (--rlk-vime-root not given)")
+    return "; ".join(reasons) if reasons else None

@@ -1,0 +1,126 @@
+"""Parsing and validation of the ``--rlk-*`` option values (plain functions, no pytest state)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pytest_rlk.markers import TIERS
+
+UPDATE_MODES = ("failed", "all")
+BACKEND_ENV = "VIME_RL_KERNEL_BACKEND"
+
+
+class OptionError(ValueError):
+    """A bad ``--rlk-*`` value; the plugin turns it into a pytest usage error."""
+
+
+def parse_tiers(text: str) -> list[str]:
+    """``"op,module"`` -> ``["op", "module"]``; an unknown or empty tier is an :class:`OptionError`."""
+    tiers = [t.strip() for t in text.split(",")]
+    bad = [t for t in tiers if t not in TIERS]
+    if bad or not tiers:
+        shown = ", ".join(repr(t) for t in bad) or repr(text)
+        raise OptionError(
+            f"--rlk-tier: unknown tier {shown}; valid tiers: {', '.join(TIERS)} (comma separated)"
+        )
+    return list(dict.fromkeys(tiers))  # keep order, drop duplicates
+
+
+def parse_update_mode(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if text not in UPDATE_MODES:
+        raise OptionError(
+            f"--rlk-update-baselines: unknown mode {text!r}; valid modes: {', '.join(UPDATE_MODES)}"
+        )
+    return text
+
+
+def parse_refresh_rel(text: str | float | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise OptionError(f"--rlk-refresh-rel: {text!r} is not a number") from None
+    if value < 0:
+        raise OptionError(f"--rlk-refresh-rel: {text!r} must be >= 0")
+    return value
+
+
+def parse_platform(text: str | None) -> str | None:
+    """A platform tag names a baseline directory: lower-case letters, digits, '-' and '_'."""
+    if text is None:
+        return None
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", text):
+        raise OptionError(
+            f"--rlk-platform: {text!r} is not a platform tag (e.g. h100, h200, a100, gb200, cpu)"
+        )
+    return text
+
+
+def parse_backend(text: str | None) -> str | None:
+    """A backend id (``rlk-triton``) or a dotted factory path (``pkg.module:factory``)."""
+    if text is None:
+        return None
+    text = text.strip()
+    if not text:
+        raise OptionError("--rlk-backend: empty backend id")
+    if ":" in text:
+        module, _, factory = text.partition(":")
+        if not module or not factory or not all(p.isidentifier() for p in module.split(".")):
+            raise OptionError(
+                f"--rlk-backend: {text!r} is not a backend id or a 'pkg.module:factory' path"
+            )
+    return text
+
+
+def resolve_dir(value: str | None, rootdir: Path, default: str) -> Path:
+    """Relative directories are taken relative to the pytest rootdir, like ``baselines/``."""
+    path = Path(value if value is not None else default).expanduser()
+    return path if path.is_absolute() else (rootdir / path)
+
+
+def existing_dir(value: str | None, option: str) -> Path | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_dir():
+        raise OptionError(f"{option}: {value!r} is not a directory")
+    return path
+
+
+@dataclass
+class RlkOptions:
+    """The validated ``--rlk-*`` options of one pytest run."""
+
+    tiers: list[str]
+    artifacts: Path
+    baselines: Path
+    update_baselines: str | None = None
+    require_baselines: bool = False
+    platform_override: str | None = None
+    vime_root: Path | None = None
+    model_root: Path | None = None
+    refresh_rel: float | None = None
+    fail_on_improvement: bool = False
+    backend: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def build_options(getoption, rootdir: Path) -> RlkOptions:
+    """Validate everything at once from a ``config.getoption``-like callable."""
+    return RlkOptions(
+        tiers=parse_tiers(getoption("rlk_tier")),
+        artifacts=resolve_dir(getoption("rlk_artifacts"), rootdir, ".rlk/runs"),
+        baselines=resolve_dir(getoption("rlk_baselines"), rootdir, "baselines"),
+        update_baselines=parse_update_mode(getoption("rlk_update_baselines")),
+        require_baselines=bool(getoption("rlk_require_baselines")),
+        platform_override=parse_platform(getoption("rlk_platform")),
+        vime_root=existing_dir(getoption("rlk_vime_root"), "--rlk-vime-root"),
+        model_root=existing_dir(getoption("rlk_model_root"), "--rlk-model-root"),
+        refresh_rel=parse_refresh_rel(getoption("rlk_refresh_rel")),
+        fail_on_improvement=bool(getoption("rlk_fail_on_improvement")),
+        backend=parse_backend(getoption("rlk_backend")),
+    )

@@ -1,0 +1,103 @@
+"""Hardware detection -> :class:`PlatformInfo` (platform tag h100/h200/a100/gb200/other-gpu/cpu)."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+
+from pytest_rlk.schema import DeviceInfo, PlatformInfo
+
+# Device-name substrings -> tag. GB200 is checked before B200/H200-like names that share letters.
+_NAME_TAGS: tuple[tuple[str, str], ...] = (
+    ("GB200", "gb200"),
+    ("H200", "h200"),
+    ("H100", "h100"),
+    ("A100", "a100"),
+)
+# Compute capability majors that, with an otherwise unknown name, still say which family it is.
+_CAPABILITY_TAGS = {(8, 0): "a100", (10, 0): "gb200"}
+# Hopper parts: H100 has 80/94 GB, H200 141 GB (torch reports ~85e9 and ~150e9 bytes).
+_H200_MIN_BYTES = 120e9
+
+
+def tag_for(name: str, capability: tuple[int, int] | None, memory_bytes: int) -> str:
+    """Platform tag from the device name, falling back to compute capability and memory."""
+    upper = name.upper()
+    for needle, tag in _NAME_TAGS:
+        if needle in upper:
+            return tag
+    if capability == (9, 0):  # a Hopper with an unusual name (e.g. a MIG or OEM string)
+        return "h200" if memory_bytes >= _H200_MIN_BYTES else "h100"
+    if capability in _CAPABILITY_TAGS:
+        return _CAPABILITY_TAGS[capability]
+    return "other-gpu"
+
+
+def _nvml_driver() -> str | None:
+    if importlib.util.find_spec("pynvml") is None:
+        return None
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+            return version.decode() if isinstance(version, bytes) else str(version)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None  # no NVIDIA driver on this machine: nothing to report
+
+
+def _nvidia_driver_present() -> bool:
+    """Cheap check before importing torch: no NVIDIA driver means no CUDA device."""
+    return os.path.exists("/proc/driver/nvidia") or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def detect(override: str | None = None) -> PlatformInfo:
+    """Detect the CUDA devices through torch; ``override`` replaces the tag (``--rlk-platform``).
+
+    torch is imported only when it already is or an NVIDIA driver is present (importing it
+    costs seconds, in every xdist worker and subprocess).
+    """
+    devices: list[DeviceInfo] = []
+    cuda_version = None
+    use_torch = "torch" in sys.modules or _nvidia_driver_present()
+    if use_torch and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        cuda_version = torch.version.cuda
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                devices.append(
+                    DeviceInfo(
+                        index=i,
+                        name=props.name,
+                        memory_bytes=int(props.total_memory),
+                        capability=f"{props.major}.{props.minor}",
+                    )
+                )
+    if not devices:
+        tag = "cpu"
+        info = PlatformInfo(tag=tag, detected_tag=tag, cuda=cuda_version)
+    else:
+        first = devices[0]
+        major, minor = (int(x) for x in first.capability.split("."))
+        memory = min(d.memory_bytes for d in devices)
+        tag = tag_for(first.name, (major, minor), memory)
+        info = PlatformInfo(
+            tag=tag,
+            detected_tag=tag,
+            device_name=first.name,
+            device_count=len(devices),
+            memory_bytes=memory,
+            capability=first.capability,
+            driver=_nvml_driver(),
+            cuda=cuda_version,
+            devices=devices,
+        )
+    if override:
+        info = info.model_copy(update={"tag": override})
+    return info

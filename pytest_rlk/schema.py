@@ -1,0 +1,239 @@
+"""Pydantic models of everything pytest-rlk writes to disk: run files and baselines.
+
+Every model forbids unknown fields, so a misspelt or foreign field in a file is an error that
+names the field instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+Direction = Literal["higher_is_better", "lower_is_better", "two_sided"]
+DIRECTIONS: tuple[str, ...] = ("higher_is_better", "lower_is_better", "two_sided")
+Space = Literal[
+    "logprob", "prob", "time", "memory", "reward", "loss", "ratio", "count", "throughput",
+    "error", "none",
+]
+SPACES: tuple[str, ...] = (
+    "logprob", "prob", "time", "memory", "reward", "loss", "ratio", "count", "throughput",
+    "error", "none",
+)
+Aggregation = Literal["mean", "median", "p90", "p99", "last", "min", "max"]
+AGGREGATIONS: tuple[str, ...] = ("mean", "median", "p90", "p99", "last", "min", "max")
+RunStatus = Literal["running", "complete", "interrupted", "crashed"]
+Outcome = Literal["passed", "failed", "skipped", "error"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Band(_Strict):
+    """Tolerance band around a reference value: width = max(rel * |ref|, abs_floor)."""
+
+    rel: float = Field(default=0.0, ge=0.0)
+    abs_floor: float = Field(default=0.0, ge=0.0)
+    source: str = ""
+
+    def width(self, ref: float) -> float:
+        return max(self.rel * abs(ref), self.abs_floor)
+
+    def describe(self) -> str:
+        parts = []
+        if self.rel:
+            parts.append(f"rel {self.rel:g}")
+        if self.abs_floor:
+            parts.append(f"abs {self.abs_floor:g}")
+        return " / ".join(parts) if parts else "exact"
+
+
+class Window(_Strict):
+    """How a per-step series becomes one number: drop ``skip`` warmup steps, then aggregate."""
+
+    skip: int = Field(default=0, ge=0)
+    agg: Aggregation = "mean"
+
+
+class MetricRecord(_Strict):
+    name: str = Field(min_length=1)
+    value: float | list[float]
+    unit: str = ""
+    direction: Direction
+    space: Space = "none"
+    tags: dict[str, str] = Field(default_factory=dict)
+    gate: bool = True
+    band: Band | None = None
+    window: Window | None = None
+    allow_nonfinite: bool = False
+
+    @property
+    def is_series(self) -> bool:
+        return isinstance(self.value, list)
+
+
+class Verdict(str, Enum):
+    PASS = "pass"
+    REGRESSION = "regression"
+    IMPROVED = "improved"
+    MISSING_BASELINE = "missing_baseline"
+    MISSING_METRIC = "missing_metric"
+    NEW_METRIC = "new_metric"
+
+    @property
+    def label(self) -> str:
+        return "improved (refresh the baseline)" if self is Verdict.IMPROVED else self.value
+
+
+class MetricComparison(_Strict):
+    name: str
+    baseline: float | None = None
+    new: float | None = None
+    delta: float | None = None
+    band_width: float | None = None
+    band: Band | None = None
+    direction: Direction | None = None
+    verdict: Verdict
+    detail: str = ""
+
+    @field_validator("baseline", "new", "delta", "band_width")
+    @classmethod
+    def _json_safe(cls, v: float | None) -> float | None:
+        # JSON has no NaN/inf; a non-finite value that was explicitly allowed is kept as None.
+        return None if v is not None and not math.isfinite(v) else v
+
+
+class GateResult(_Strict):
+    case: str
+    baseline_path: str | None = None
+    comparisons: list[MetricComparison] = Field(default_factory=list)
+    baseline_written: bool = False
+
+    def with_verdict(self, *verdicts: Verdict) -> list[MetricComparison]:
+        return [c for c in self.comparisons if c.verdict in verdicts]
+
+    @property
+    def regressions(self) -> list[MetricComparison]:
+        return self.with_verdict(Verdict.REGRESSION, Verdict.MISSING_METRIC)
+
+    @property
+    def improvements(self) -> list[MetricComparison]:
+        return self.with_verdict(Verdict.IMPROVED)
+
+    @property
+    def missing_baseline(self) -> bool:
+        return bool(self.with_verdict(Verdict.MISSING_BASELINE))
+
+    def failed(self, *, fail_on_improvement: bool = False) -> bool:
+        return bool(self.regressions) or (fail_on_improvement and bool(self.improvements))
+
+
+class DeviceInfo(_Strict):
+    index: int
+    name: str
+    memory_bytes: int
+    capability: str
+
+
+class PlatformInfo(_Strict):
+    tag: str
+    detected_tag: str
+    device_name: str = "cpu"
+    device_count: int = 0
+    memory_bytes: int = 0  # per device (the smallest, when they differ)
+    capability: str | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    devices: list[DeviceInfo] = Field(default_factory=list)
+
+    def describe(self) -> str:
+        if self.device_count == 0:
+            return "cpu, 0 GPUs"
+        plural = "GPU" if self.device_count == 1 else "GPUs"
+        return f"{self.device_name}, {self.device_count} {plural}"
+
+
+class RunManifest(_Strict):
+    run_id: str
+    created_utc: str
+    argv: list[str]
+    tiers: list[str]
+    platform: PlatformInfo
+    software: dict[str, str | None]
+    suite_commit: str | None = None
+    suite_dirty: bool | None = None
+    vime_root: str | None = None
+    vime_commit: str | None = None
+    kernel_backend_ids: list[str] = Field(default_factory=list)
+    kernel_backend_option: str | None = None
+    seeds: dict[str, dict[str, int]] = Field(default_factory=dict)  # nodeid -> {name: seed}
+
+
+class TestRecord(_Strict):
+    __test__ = False  # not a pytest test class
+
+    nodeid: str
+    case: str
+    tier: str | None = None
+    outcome: Outcome
+    duration_s: float = 0.0
+    skip_reason: str | None = None
+    unserved: bool = False  # skipped because this machine cannot serve its markers
+    worker: str = "main"
+    metrics: list[MetricRecord] = Field(default_factory=list)
+    gate: GateResult | None = None
+    seeds: dict[str, int] = Field(default_factory=dict)
+    fallback_counts: dict[str, int] = Field(default_factory=dict)
+    artifact_dir: str | None = None
+
+
+class PartFile(_Strict):
+    """What one pytest process (xdist worker or the single process) has written so far."""
+
+    worker: str
+    tests: list[TestRecord] = Field(default_factory=list)
+    deselected: dict[str, int] = Field(default_factory=dict)
+    fallback_counts: dict[str, int] = Field(default_factory=dict)
+    kernel_backend_ids: list[str] = Field(default_factory=list)
+
+
+class RunRecord(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    manifest: RunManifest
+    status: RunStatus
+    host: str | None = None  # where the controller ran, with its pid: tells running from crashed
+    pid: int | None = None
+    finished_utc: str | None = None
+    exit_status: int | None = None
+    tests: list[TestRecord] = Field(default_factory=list)
+    deselected: dict[str, int] = Field(default_factory=dict)
+    fallback_counts: dict[str, int] = Field(default_factory=dict)
+
+
+class BaselineMetric(_Strict):
+    ref: float
+    unit: str = ""
+    direction: Direction
+    space: Space = "none"
+    band: Band
+    window: Window | None = None
+
+    @field_validator("ref")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reference value must be finite")
+        return v
+
+
+class Baseline(_Strict):
+    schema_version: int
+    tier: str
+    case: str
+    platform: str
+    provenance: dict[str, object] = Field(default_factory=dict)
+    metrics: dict[str, BaselineMetric]

@@ -1,0 +1,102 @@
+"""Run directories: per-process part files and the controller's merge into ``run.json``.
+
+Every pytest process (each xdist worker, or the single process without xdist) rewrites its own
+``parts/<worker>.json`` atomically after each test. The controller writes a ``running`` header
+``run.json`` at session start and merges the parts into it at session end. A run that never
+reached session end keeps status ``running`` on disk; ``rlk merge`` then marks it ``crashed``.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pytest_rlk import storage
+from pytest_rlk.manifest import kernel_backend_ids, kernel_fallback_counts, utc_now
+from pytest_rlk.schema import PartFile, RunManifest, RunRecord, RunStatus, TestRecord
+
+PARTS = "parts"
+TESTS = "tests"
+
+
+def start_run(artifacts: Path, manifest: RunManifest) -> Path:
+    run_dir = artifacts / manifest.run_id
+    (run_dir / PARTS).mkdir(parents=True, exist_ok=True)
+    storage.write_run(run_dir, RunRecord(manifest=manifest, status="running",
+                                         host=socket.gethostname(), pid=os.getpid()))
+    storage.set_latest(artifacts, run_dir)
+    return run_dir
+
+
+class PartWriter:
+    """One process's records, flushed to ``parts/<worker>.json`` after every change."""
+
+    def __init__(self, run_dir: Path, worker: str) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / PARTS / f"{worker}.json"
+        self.part = PartFile(worker=worker)
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.run_dir / TESTS
+
+    def add(self, test: TestRecord) -> None:
+        self.part.tests.append(test)
+        self.flush()
+
+    def set_deselected(self, counts: dict[str, int]) -> None:
+        self.part.deselected = dict(counts)
+        self.flush()
+
+    def flush(self) -> None:
+        self.part.fallback_counts = kernel_fallback_counts()
+        self.part.kernel_backend_ids = kernel_backend_ids()
+        storage.write_json_atomic(self.path, self.part)
+
+
+def merge_run(run_dir: Path, *, status: RunStatus | None = None,
+              exit_status: int | None = None) -> RunRecord:
+    """Merge every part into ``run.json``. Idempotent: the parts stay the source of truth.
+
+    Without ``status``, a run whose header still says ``running`` is ``crashed`` unless its
+    controller process is still alive on this host (then it stays ``running``).
+    """
+    header = storage.load_run(run_dir / storage.RUN_FILE)
+    parts = [storage.load_part(p) for p in sorted((run_dir / PARTS).glob("*.json"))]
+    tests = [t for part in parts for t in part.tests]
+    deselected: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    backend_ids = list(header.manifest.kernel_backend_ids)
+    for part in parts:
+        for tier, n in part.deselected.items():  # every worker collects the same tests
+            deselected[tier] = max(deselected.get(tier, 0), n)
+        for op, n in part.fallback_counts.items():
+            fallbacks[op] = fallbacks.get(op, 0) + n
+        backend_ids.extend(b for b in part.kernel_backend_ids if b not in backend_ids)
+    manifest = header.manifest.model_copy(update={
+        "kernel_backend_ids": backend_ids,
+        "seeds": {t.nodeid: dict(t.seeds) for t in tests if t.seeds},
+    })
+    final_status = status or header.status
+    if final_status == "running" and not _controller_alive(header):
+        final_status = "crashed"
+    run = RunRecord(
+        manifest=manifest, status=final_status, host=header.host, pid=header.pid,
+        finished_utc=utc_now() if status else header.finished_utc,
+        exit_status=exit_status if exit_status is not None else header.exit_status,
+        tests=tests, deselected=deselected, fallback_counts=fallbacks,
+    )
+    storage.write_run(run_dir, run)
+    return run
+
+
+def _controller_alive(header: RunRecord) -> bool:
+    if header.pid is None or header.host != socket.gethostname():
+        return False
+    try:
+        os.kill(header.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True

@@ -1,0 +1,71 @@
+"""Plain-text tables for ``rlk diff`` and the ``rlk`` terminal-summary section."""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pytest_rlk.schema import GateResult, MetricComparison, RunRecord, Verdict
+
+DIFF_HEADERS = ("metric", "baseline", "new", "delta", "band", "verdict")
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    rows = [list(map(str, r)) for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def comparison_row(c: MetricComparison, prefix: str = "") -> list[str]:
+    band = "-" if c.band_width is None else f"±{c.band_width:.3g}" if c.direction == "two_sided" else f"{c.band_width:.3g}"
+    return [prefix + c.name, fmt(c.baseline), fmt(c.new), fmt(c.delta), band, c.verdict.label]
+
+
+def diff_table(results: Iterable[GateResult]) -> str:
+    rows = [comparison_row(c, f"{r.case}/") for r in results for c in r.comparisons]
+    return format_table(DIFF_HEADERS, rows)
+
+
+def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str]) -> list[str]:
+    """The ``rlk`` terminal section: tiers, hardware skips, gate verdicts, fallbacks, artifacts."""
+    per_tier = Counter(t.tier or "untiered" for t in run.tests)
+    ran = ", ".join(f"{tier} ({per_tier.get(tier, 0)} tests)" for tier in tiers)
+    lines = [f"tiers run: {ran}" + (f"; untiered: {per_tier['untiered']}" if per_tier.get("untiered") else "")]
+    if any(run.deselected.values()):
+        lines.append("deselected (tier not selected): " + ", ".join(
+            f"{tier} {n}" for tier, n in sorted(run.deselected.items()) if n))
+    unserved = Counter(t.skip_reason for t in run.tests if t.unserved)
+    if unserved:
+        lines.append(f"skipped by hardware/resources: {sum(unserved.values())}")
+        lines += [f"  {n} x {reason}" for reason, n in unserved.most_common()]
+    verdicts: Counter[str] = Counter()
+    problem_lines: list[str] = []
+    written = []
+    for t in run.tests:
+        if t.gate is None:
+            continue
+        if t.gate.baseline_written:
+            written.append(t.gate.baseline_path)
+        for c in t.gate.comparisons:
+            verdicts[c.verdict.value] += 1
+            if c.verdict in (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.IMPROVED):
+                problem_lines.append(f"  {c.verdict.label}: {t.case}/{c.name}: baseline "
+                                     f"{fmt(c.baseline)}, new {fmt(c.new)} ({c.detail})")
+    if verdicts:
+        lines.append("gate: " + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())))
+        lines += problem_lines
+    else:
+        lines.append("gate: no gated metrics recorded")
+    if written:
+        lines.append(f"baselines written: {len(written)}")
+        lines += [f"  {p}" for p in written]
+    if run.fallback_counts:
+        lines.append("kernel fallbacks: " + ", ".join(f"{op}={n}" for op, n in sorted(run.fallback_counts.items())))
+    lines.append(f"run status: {run.status}; artifacts: {run_dir}")
+    lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")
+    return lines

@@ -1,0 +1,59 @@
+"""The e2e report: non-blank PNG plots and a Markdown page with what reproduces the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_rlk.e2e import metrics as m
+from pytest_rlk.e2e.gates import gate_lane, pair_verdict
+from pytest_rlk.e2e.report import SCOPE_STATEMENT, ArmRun, ReportInputs, write_report
+from pytest_rlk.e2e.vime_log import parse_vime_log
+
+
+def _non_blank(path) -> bool:
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(path))
+    return pixels.shape[0] > 100 and float(pixels[..., :3].std()) > 0.01
+
+
+@pytest.fixture
+def inputs(fixtures_dir) -> ReportInputs:
+    base = parse_vime_log(fixtures_dir / "vime_30b_a3b_baseline.log").series()
+    kern = parse_vime_log(fixtures_dir / "vime_30b_a3b_kernels.log").series()
+    lane = gate_lane(base, kern, case="qwen3-30b-a3b-h200-grpo-dapo", platform="h200", lane="live", skip_warmup=1)
+    return ReportInputs(
+        case="qwen3-30b-a3b-h200-grpo-dapo", engine="vime (ray mode)", platform="h200", hardware="8x h200, 1 node",
+        skip_warmup=1,
+        arms=[ArmRun("baseline", "vime", "live", base, command="ray job submit --address=http://127.0.0.1:1 -- train.py",
+                     log_path="/runs/live/baseline/job.log", peak_vram_mib_per_gpu={0: 64363.0, 1: 64100.0}),
+              ArmRun("kernels", "vime+kernels", "live", kern, command="ray job submit ... --loss-type custom_loss",
+                     log_path="/runs/live/kernels/job.log", peak_vram_mib_per_gpu={0: 64363.0, 1: 64000.0})],
+        verdict=pair_verdict([lane]), setup_commands=["ray start --head --block --port=1"],
+        commits={"vime": "abc123", "pytest-rlk": "def456"}, settings={"hyperparameters": {"lr": 1e-6}},
+        kernel_switch="VIME_RL_KERNEL=1 --loss-type custom_loss",
+    )
+
+
+def test_all_plots_are_written_and_non_blank(inputs, tmp_path):
+    paths = write_report(tmp_path, inputs)
+    names = sorted(p.name for p in paths.plots)
+    assert names == ["module_breakdown.png", "peak_vram.png", "reward_absdiff.png", "step_time_mean.png",
+                     "step_time_steps.png"]
+    assert all(_non_blank(p) for p in paths.plots)
+    text = paths.markdown.read_text()
+    assert SCOPE_STATEMENT in text
+    for expected in ("Pair verdict: PASS", "ray job submit --address=http://127.0.0.1:1", "`abc123`", "8x h200",
+                     '"lr": 1e-06', "VIME_RL_KERNEL=1 --loss-type custom_loss", "/runs/live/kernels/job.log",
+                     "entropy_loss (not compared)", "| step_time_s | s | p99 |", "miles: raw_reward down"):
+        assert expected in text, expected
+    lowered = text.lower()
+    assert "no claim about mixture-of-experts" in lowered and "not a replacement" in lowered
+
+
+def test_missing_data_is_said_not_drawn(inputs, tmp_path):
+    arms = [ArmRun(a.role, a.label, a.lane, {m.RAW_REWARD: a.series[m.RAW_REWARD]}, a.command) for a in inputs.arms]
+    paths = write_report(tmp_path, ReportInputs(**{**inputs.__dict__, "arms": arms, "verdict": None}))
+    assert [p.name for p in paths.plots] == ["reward_absdiff.png"]
+    text = paths.markdown.read_text()
+    assert "peak_vram.png: not drawn" in text and "No verdict" in text

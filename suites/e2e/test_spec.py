@@ -1,0 +1,152 @@
+"""A/B spec: validation, the identical-arms check, and `rlk e2e plan` for every shipped spec."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pytest_rlk.cli import main as rlk_main
+from pytest_rlk.e2e import vime_engine
+from pytest_rlk.e2e.spec import (
+    ABSpec, ArmCommand, ArmMismatchError, SpecError, check_arms_differ_only_by_switch, expand_placeholders,
+    load_spec, matrix_spec_paths,
+)
+
+SPEC_PATHS = matrix_spec_paths()
+VIME_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "vime"]
+MATRIX_CASES = {
+    "qwen3-4b-a100-grpo-gsm8k", "qwen3-30b-a3b-h200-grpo-dapo", "qwen3-30b-a3b-r3-h200-grpo-dapo",
+    "glm45-air-h200-grpo-dapo", "qwen3-0.6b-2gpu-smoke-gsm8k",
+}
+
+
+def _raw(case: str = "qwen3-30b-a3b-h200-grpo-dapo") -> dict:
+    return json.loads((Path(SPEC_PATHS[0]).parent / f"{case}.json").read_text())
+
+
+def test_the_mission_matrix_is_shipped():
+    cases = {load_spec(p).case for p in VIME_SPECS}
+    assert MATRIX_CASES <= cases
+    r3 = load_spec(Path(SPEC_PATHS[0]).parent / "qwen3-30b-a3b-r3-h200-grpo-dapo.json")
+    assert (r3.arms.baseline.label, r3.arms.kernels.label) == ("vime+R3", "vime+R3+kernels")
+    assert r3.vime.routing_replay and not r3.gates.speed  # compatibility only
+    smoke = load_spec(Path(SPEC_PATHS[0]).parent / "qwen3-0.6b-2gpu-smoke-gsm8k.json")
+    assert smoke.hardware.gpus == 2 and smoke.vime.checkpoint_mode == "bridge"
+
+
+@pytest.mark.parametrize("path", VIME_SPECS, ids=lambda p: p.stem)
+def test_plan_arms_differ_only_by_the_kernel_switch(path, capsys):
+    """`rlk e2e plan` prints, per lane, two job-submit lines identical except the switch."""
+    assert rlk_main(["e2e", "plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    spec = load_spec(path)
+    submits = [shlex.split(line) for line in out.splitlines() if line.startswith("ray job submit")]
+    assert len(submits) == 2 * len(spec.lanes)
+    for base, kern in zip(submits[0::2], submits[1::2], strict=True):
+        def parts(argv):
+            opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--") and "=" in a}
+            env = json.loads(opts["--runtime-env-json"])["env_vars"]
+            return opts, env, shlex.split(argv[-1])  # argv[-1]: the bash -c command
+        b_opts, b_env, b_cmd = parts(base)
+        k_opts, k_env, k_cmd = parts(kern)
+        assert b_opts["--address"] == k_opts["--address"]
+        # env: the kernel arm adds exactly the switch; per-arm output dirs differ only by role
+        assert {k: v for k, v in k_env.items() if k not in spec.kernel_switch.env} == {
+            k: v.replace("/baseline/", "/kernels/") for k, v in b_env.items()}
+        assert all(k_env[k] == v and k not in b_env for k, v in spec.kernel_switch.env.items())
+        # command: the kernel arm appends exactly the switch args; replay swaps save -> load
+        switch = list(spec.kernel_switch.args)
+        assert k_cmd[len(k_cmd) - len(switch):] == switch
+        k_rest = k_cmd[: len(k_cmd) - len(switch)]
+        b_rest = [("--load-debug-rollout-data" if a == "--save-debug-rollout-data" else a) for a in b_cmd]
+        assert k_rest == b_rest
+        assert "--ci-test" not in b_cmd or "--use-fault-tolerance" not in b_cmd
+
+
+@pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
+def test_every_shipped_spec_plans(path, capsys):
+    assert rlk_main(["e2e", "plan", path.stem]) == 0
+    assert load_spec(path).kernel_switch.env["VIME_RL_KERNEL"] == "1"
+    assert "arms differ only by the kernel switch" in capsys.readouterr().out
+
+
+def test_identical_arms_check_passes_on_the_built_commands():
+    spec = ABSpec.model_validate(_raw())
+    for lane in spec.lanes:
+        base, kern = vime_engine.arm_commands(spec, lane, vime_root="/v", run_dir="/r")
+        check_arms_differ_only_by_switch(base, kern, spec.kernel_switch)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda k: {"argv": [("7" if a == "1234" else a) for a in k.argv]}, "--seed"),
+    (lambda k: {"env": {**k.env, "NCCL_ALGO": "Tree"}}, "NCCL_ALGO"),
+    (lambda k: {"env": {key: v for key, v in k.env.items() if key != "VIME_RL_KERNEL"}}, "lacks VIME_RL_KERNEL=1"),
+    (lambda k: {"argv": k.argv[:-1]}, "kernel switch args"),
+    (lambda k: {"workdir": "/elsewhere"}, "workdir"),
+])
+def test_identical_arms_check_fails_on_a_difference(change, message):
+    spec = ABSpec.model_validate(_raw())
+    base, kern = vime_engine.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
+    bad = ArmCommand(**{**kern.__dict__, **change(kern)})
+    with pytest.raises(ArmMismatchError, match=message.replace("(", r"\(")):
+        check_arms_differ_only_by_switch(base, bad, spec.kernel_switch)
+
+
+def test_baseline_carrying_the_switch_fails():
+    spec = ABSpec.model_validate(_raw())
+    base, kern = vime_engine.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
+    bad_base = ArmCommand(**{**base.__dict__, "env": {**base.env, "VIME_RL_KERNEL": "1"}})
+    with pytest.raises(ArmMismatchError, match="baseline env sets the kernel switch"):
+        check_arms_differ_only_by_switch(bad_base, kern, spec.kernel_switch)
+
+
+def test_ci_test_with_fault_tolerance_is_refused(tmp_path):
+    raw = _raw()
+    raw["vime"]["ci_test"] = True
+    raw["vime"]["extra_args"] = raw["vime"]["extra_args"] + ["--use-fault-tolerance"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match=r"bad.json.*--ci-test together with --use-fault-tolerance"):
+        load_spec(path)
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda r: r.pop("vime"), "the 'vime' section is missing"),
+    (lambda r: r.update(trl={}), "remove the 'trl' section"),
+    (lambda r: r["parallelism"].update(tensor=3), "does not divide"),
+    (lambda r: r["hardware"].update(gpus=16), "hardware.gpus = 16"),
+    (lambda r: r["window"].update(skip_warmup_rollouts=99), "leaves no rollout"),
+    (lambda r: r["kernel_switch"]["env"].pop("VIME_RL_KERNEL"), "VIME_RL_KERNEL=1"),
+    (lambda r: r["arms"]["kernels"].update(label="vime"), "both arms are labelled"),
+    (lambda r: r["hyperparameters"].update(lr="fast"), "hyperparameters.lr"),
+    (lambda r: r.update(colour="red"), "colour"),
+])
+def test_bad_specs_name_the_field(tmp_path, mutate, field):
+    raw = _raw()
+    mutate(raw)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(path) in str(info.value) and field in str(info.value)
+
+
+def test_extra_args_must_not_repeat_generated_flags():
+    raw = _raw()
+    raw["vime"]["extra_args"] = ["--seed", "7"]
+    with pytest.raises(SpecError, match=r"repeats flags the spec generates: \['--seed'\]"):
+        vime_engine.arm_commands(ABSpec.model_validate(raw), "live")
+
+
+def test_placeholders_expand_or_name_the_missing_variable():
+    assert expand_placeholders("${A}/x", {"A": "/m"}, what="t") == "/m/x"
+    with pytest.raises(SpecError, match=r"RLK_MODELS is not set"):
+        expand_placeholders("${RLK_MODELS}/Qwen3-4B", {}, what="model")
+
+
+def test_unknown_spec_name_lists_the_shipped_ones(capsys):
+    assert rlk_main(["e2e", "plan", "no-such-case"]) == 2
+    assert "qwen3-30b-a3b-h200-grpo-dapo" in capsys.readouterr().err

@@ -1,0 +1,304 @@
+"""TRL lane: a real GRPOTrainer A/B (baseline vs our kernels in TRL's log-prob path).
+
+The CPU case trains a tiny random-init Qwen3 for 16 GRPO steps per arm, runs the two arms plus a
+test-only perturbed kernel arm concurrently (one thread each; ~3.5 min on 2 busy cores), and checks:
+the A/B gate passes, the perturbed arm fails it, the report has its plots and reproducibility notes,
+and the kernels really ran (patched calls > 0, strict mode, no fallback). The MoE case is `slow`;
+the GPU case (larger model, bf16) records the h100 baseline of the kernel arm's metrics.
+
+Fast checks of the integration itself (patch/unpatch, parity with TRL's own fused LM head, the
+perturbation guard) and of the engine's input validation run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
+pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
+
+import torch  # noqa: E402
+
+from pytest_rlk.e2e import metrics as m  # noqa: E402
+from pytest_rlk.e2e.engines import trl_engine  # noqa: E402
+from pytest_rlk.e2e.engines.task import TARGET_WORDS, make_prompts, repeat_reward  # noqa: E402
+from pytest_rlk.e2e.spec import SPECS_DIR, load_spec  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DENSE_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-cpu.json"
+MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
+SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
+PERTURB_BIAS = 0.1  # log-prob units; the logprob-diff band is abs 0.02
+PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
+
+
+def _record_arm_metrics(rlk_metrics, run: trl_engine.TrlAbRun, *, gate_speed: bool) -> None:
+    """Per-arm series into the run record; the kernel arm's gate against the stored baselines."""
+    spec = run.spec
+    rlk_metrics.set_case(spec.case)
+    rlk_metrics.set_seed("seed", spec.seeds.seed)
+    rlk_metrics.set_seed("rollout_seed", spec.seeds.rollout_seed)
+    skip = spec.window.skip_warmup_rollouts
+    for key in ("baseline", "kernels"):
+        series = run.series[key]
+        for name, values in sorted(series.items()):
+            policy = m.E2E_METRICS.get(name)
+            if policy is None:
+                continue
+            gated = key == "kernels" and policy.group == "correctness" and policy.live
+            if policy.group in ("speed", "memory"):
+                gated = key == "kernels" and gate_speed
+            rlk_metrics.record(
+                f"{key}.{name}", values, unit=policy.unit, direction=policy.direction, space=policy.space,
+                tags={"arm": run.commands[key].label, "engine": "trl"}, gate=gated,
+                band=policy.band, window={"skip": skip, "agg": policy.agg},
+            )
+    rlk_metrics.record_fallbacks(run.run_info["kernels"]["fallback_counts"])
+
+
+def _assert_real_kernel_arm(run: trl_engine.TrlAbRun, key: str = "kernels") -> None:
+    info, base = run.run_info[key], run.run_info["baseline"]
+    assert info["kernels_installed"] and not base["kernels_installed"]
+    assert info["patched"] == "trl.trainer.utils._ChunkedLogProbFunction"
+    assert info["patched_calls"]["lm_head_logp"] >= 2 * run.spec.hyperparameters.num_rollout
+    assert info["backend_id"].startswith("rlk-triton/"), info["backend_id"]
+    assert info["fallback_counts"] == {} and info["env"].get("VIME_RL_KERNEL_STRICT") == "1"
+    assert info["initial_weights_digest"] == base["initial_weights_digest"]
+
+
+# ------------------------------------------------------------------------------------------
+# The CPU A/B (dense): passes; the perturbed kernel arm fails; the report is complete.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_cpu_ab(tmp_path_factory) -> trl_engine.TrlAbRun:
+    out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
+    return trl_engine.run_ab(
+        DENSE_CPU, out, repo_root=REPO_ROOT, perturb_bias=PERTURB_BIAS, perturb_rollouts=PERTURB_ROLLOUTS
+    )
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_cpu_ab_gate_passes(dense_cpu_ab, rlk_metrics):
+    run = dense_cpu_ab
+    verdict = trl_engine.gate_ab(run)
+    _record_arm_metrics(rlk_metrics, run, gate_speed=False)
+    rlk_metrics.record("ab_wall_s", run.wall_s, unit="s", direction="lower_is_better", space="time", gate=False)
+    assert verdict.passed, verdict.failures()
+    gated = {c.name for c in verdict.gate.comparisons}
+    assert {m.RAW_REWARD, m.ABS_DIFF, m.KL_LOSS, m.FALLBACK_COUNT} <= gated
+    _assert_real_kernel_arm(run)
+    # The kernel arm really computed the log-probs the loss used: equal to the rollout path to fp32 noise.
+    assert max(run.series["kernels"][m.ABS_DIFF]) < 1e-4
+    # The task is learnt: raw_reward rises from its random-init level in both arms.
+    for key in ("baseline", "kernels"):
+        reward = run.series[key][m.RAW_REWARD]
+        assert sum(reward[-6:]) / 6 > sum(reward[:4]) / 4 + 0.05, (key, reward)
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_cpu_ab_perturbed_kernel_arm_fails_gate(dense_cpu_ab):
+    run = dense_cpu_ab
+    assert run.run_info[trl_engine.PERTURBED]["test_perturbation_logp"] == PERTURB_BIAS
+    assert run.run_info["kernels"]["test_perturbation_logp"] == 0.0
+    assert len(run.series[trl_engine.PERTURBED][m.RAW_REWARD]) == PERTURB_ROLLOUTS
+    # Same seeds: until the bias matters, the perturbed arm trains exactly like the kernel arm.
+    expected = run.series["kernels"][m.RAW_REWARD][:PERTURB_ROLLOUTS]
+    assert run.series[trl_engine.PERTURBED][m.RAW_REWARD] == pytest.approx(expected, abs=1e-3)
+    verdict = trl_engine.gate_ab(run, trl_engine.PERTURBED)
+    assert not verdict.passed
+    failed = {c.name for c in verdict.gate.regressions}
+    assert failed & {m.ABS_DIFF, m.RAW_REWARD}, verdict.failures()
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk_metrics):
+    run = dense_cpu_ab
+    paths = trl_engine.write_ab_report(run, trl_engine.gate_ab(run), rlk_metrics.artifact_dir / "report",
+                                       repo_root=REPO_ROOT)
+    names = {p.name for p in paths.plots}
+    assert {"step_time_mean.png", "step_time_steps.png", "module_breakdown.png", "reward_absdiff.png"} <= names
+    for plot in paths.plots:
+        assert plot.stat().st_size > 1000, plot
+    text = paths.markdown.read_text()
+    for needle in ("Pair verdict: PASS", "VIME_RL_KERNEL=1", "--arm baseline", "--arm kernels", "trl: `1.16",
+                   "Triton interpreter", "Initial weights digest", '"seed": 1234', "repeat"):
+        assert needle in text, needle
+
+
+# ------------------------------------------------------------------------------------------
+# MoE on CPU (slow) and the larger GPU config (records the h100 baseline).
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.cpu
+@pytest.mark.tiny
+@pytest.mark.moe
+def test_trl_cpu_ab_moe_gate_passes(tmp_path, rlk_metrics):
+    run = trl_engine.run_ab(MOE_CPU, tmp_path, repo_root=REPO_ROOT)
+    verdict = trl_engine.gate_ab(run)
+    _record_arm_metrics(rlk_metrics, run, gate_speed=False)
+    assert verdict.passed, verdict.failures()
+    _assert_real_kernel_arm(run)
+
+
+@pytest.mark.h100
+def test_trl_h100_ab_records_baseline(tmp_path, rlk_metrics):
+    run = trl_engine.run_ab(SMALL_H100, tmp_path, repo_root=REPO_ROOT)
+    verdict = trl_engine.gate_ab(run)
+    _record_arm_metrics(rlk_metrics, run, gate_speed=True)
+    paths = trl_engine.write_ab_report(run, verdict, rlk_metrics.artifact_dir / "report", repo_root=REPO_ROOT)
+    assert paths.markdown.exists()
+    assert verdict.passed, verdict.failures()
+    _assert_real_kernel_arm(run)
+    assert m.PEAK_VRAM in run.series["kernels"]
+
+
+# ------------------------------------------------------------------------------------------
+# Fast, in-process checks of the integration and the engine's inputs.
+# ------------------------------------------------------------------------------------------
+
+
+def _lm_head_case(seed: int = 0, n: int = 12, h: int = 16, v: int = 40):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen, requires_grad=True)
+    weight = torch.randn(v, h, generator=gen, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_patched_lm_head_matches_trl_fused_head(monkeypatch, temperature):
+    """Our drop-in gives TRL's log-probs, entropy and gradients (reference backend, in-process)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    from kernels.integrations.trl import RlkLmHeadLogProb
+
+    monkeypatch.delenv("VIME_RL_KERNEL", raising=False)  # in-process: no interpreter, reference math
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    results = []
+    for fn in (ChunkedLogProbFunction.apply, RlkLmHeadLogProb.apply):
+        hidden, weight, targets = _lm_head_case()
+        out = fn(hidden, weight, None, targets, temperature, 32, None, 1.0, outputs)
+        (out[0].sum() + 0.5 * out[1].sum()).backward()
+        results.append((out, hidden.grad, weight.grad))
+    (trl_out, trl_dh, trl_dw), (our_out, our_dh, our_dw) = results
+    for name, a, b in zip(outputs, trl_out, our_out, strict=True):
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
+    torch.testing.assert_close(our_dh, trl_dh, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(our_dw, trl_dw, atol=1e-5, rtol=1e-5)
+
+
+def test_install_patches_the_name_trl_calls_and_restores_it():
+    import trl.trainer.utils as trl_utils
+
+    from kernels.integrations import trl as integration
+
+    original = trl_utils._ChunkedLogProbFunction
+    with integration.installed():
+        assert trl_utils._ChunkedLogProbFunction is integration.RlkLmHeadLogProb
+        assert integration.is_installed()
+        with pytest.raises(RuntimeError, match="already installed"):
+            integration.install()
+    assert trl_utils._ChunkedLogProbFunction is original and not integration.is_installed()
+
+
+def test_patched_path_is_what_grpo_model_forward_uses(monkeypatch, tmp_path):
+    """A model given TRL's fused head calls our drop-in: call counter moves, log-probs match."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from kernels.integrations import trl as integration
+    from pytest_rlk.e2e.engines.tiny_models import TinyModelSize, build_tiny_model_dir
+
+    monkeypatch.delenv("VIME_RL_KERNEL", raising=False)
+    model_dir = build_tiny_model_dir(tmp_path / "m", "dense", TinyModelSize(), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    native = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    with integration.installed():
+        ours = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        assert integration.call_counts()["lm_head_logp"] == 1
+    torch.testing.assert_close(ours.log_probs, native.log_probs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.entropy, native.entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_perturbation_is_refused_without_the_allow_switch(monkeypatch):
+    from kernels.integrations import trl as integration
+
+    monkeypatch.setenv(integration.PERTURB_ENV, "0.1")
+    monkeypatch.delenv(integration.ALLOW_PERTURB_ENV, raising=False)
+    with pytest.raises(ValueError, match="RLK_ALLOW_TEST_PERTURBATION=1"):
+        integration.install()
+    assert not integration.is_installed()
+    monkeypatch.setenv(integration.ALLOW_PERTURB_ENV, "1")
+    assert integration.test_perturbation_bias() == 0.1
+    monkeypatch.setenv(integration.PERTURB_ENV, "lots")
+    with pytest.raises(ValueError, match="RLK_TEST_PERTURB_LOGP='lots' is not a number"):
+        integration.test_perturbation_bias()
+
+
+def test_reward_is_verifiable():
+    assert repeat_reward("c c w1 c", "c") == 0.75
+    assert repeat_reward("", "a") == 0.0
+    rows = make_prompts(50, seed=3)
+    assert rows == make_prompts(50, seed=3)
+    assert {r["target"] for r in rows} <= set(TARGET_WORDS)
+    assert all(r["prompt"].split()[1] == r["target"] for r in rows)
+
+
+def _spec_with(tmp_path: Path, **changes) -> Path:
+    raw = json.loads(DENSE_CPU.read_text())
+    for dotted, value in changes.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hyperparameters.kl_loss_type": "low_var_kl"}, "kl_loss_type must be 'k3'"),
+        ({"dataset.prompt_data": "gsm8k.jsonl"}, "dataset.prompt_data must be 'synthetic:repeat'"),
+        ({"trl.dtype": "fp8"}, "trl.dtype"),
+        ({"trl.model_size": {"hidden": 3}}, None),
+        ({"hyperparameters.global_batch_size": 8}, "global_batch_size"),
+    ],
+)
+def test_bad_trl_spec_is_refused_naming_the_field(tmp_path, change, message):
+    path = _spec_with(tmp_path, **change)
+    if message is None:  # model_size is checked when the model is built
+        from pytest_rlk.e2e.engines.tiny_models import TinyModelSize
+
+        with pytest.raises(ValueError, match="unknown field"):
+            TinyModelSize.from_dict(change["trl.model_size"])
+        return
+    with pytest.raises(ValueError, match=message):
+        trl_engine.TrlArmConfig.from_spec(load_spec(path), where=str(path))
+
+
+def test_read_arm_series_rejects_ragged_lines(tmp_path):
+    (tmp_path / trl_engine.METRICS_FILE).write_text(
+        json.dumps({"step": 0, "raw_reward": 0.1, "loss": 0.0}) + "\n" + json.dumps({"step": 1, "raw_reward": 0.2}) + "\n"
+    )
+    with pytest.raises(ValueError, match="line 2 has metrics"):
+        trl_engine.read_arm_series(tmp_path)

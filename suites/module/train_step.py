@@ -1,0 +1,173 @@
+"""A vime-shaped GRPO training step on a real causal LM, timed per module (plain functions).
+
+One rollout is sampled from the model itself; vime's per-rollout quantities follow: old log-probs
+(the training model before the update), reference log-probs (the frozen initial model: equal to
+old at the first rollout), rollout log-probs (the sampler's: the bf16 forward of the same model,
+standing in for the inference engine's numerics), GRPO advantages per prompt group. Each step:
+forward -> pack to vime's THD logits -> ``kernels.integrations.vime.policy_loss`` (log-prob,
+ratio/KL, loss stages timed inside) -> backward -> grad-norm clip -> AdamW step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels import reference
+from kernels.integrations import vime as adapter
+from suites.module import vime_standin as standin
+from suites.module.loss_cases import batch_to
+
+MODULES = ("forward", "logp", "ratio_kl", "loss", "backward", "optimizer", "step")
+
+
+@dataclasses.dataclass
+class Rollout:
+    prompts: list[torch.Tensor]
+    responses: list[torch.Tensor]
+    rewards: torch.Tensor  # [B]
+    group_size: int
+
+
+@dataclasses.dataclass
+class StepLog:
+    loss: list[float] = dataclasses.field(default_factory=list)
+    grad_norm: list[float] = dataclasses.field(default_factory=list)
+    metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    times_ms: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {m: [] for m in MODULES})
+    peak_memory_mb: float | None = None  # GPU only: peak allocated above the resident memory at start
+    fallbacks: float = 0.0
+
+
+def even_token_reward(response: torch.Tensor) -> float:
+    """A checkable toy reward: the fraction of even token ids in the response (varies within a group)."""
+    return float((response % 2 == 0).float().mean())
+
+
+@torch.no_grad()
+def sample_rollout(model: torch.nn.Module, prompts: list[torch.Tensor], *, group_size: int, response_len: int,
+                   seed: int) -> Rollout:
+    """``group_size`` sampled responses of exactly ``response_len`` tokens per prompt (temperature 1,
+    no top-k/top-p), with transformers' ``generate`` and its KV cache."""
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    all_prompts, responses = [], []
+    for prompt in prompts:
+        out = model.generate(
+            prompt[None].to(device), attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long, device=device),
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=response_len,
+            min_new_tokens=response_len, num_return_sequences=group_size, pad_token_id=0)
+        for row in out:
+            all_prompts.append(prompt.cpu())
+            responses.append(row[prompt.numel():].cpu())
+    rewards = torch.tensor([even_token_reward(r) for r in responses])
+    return Rollout(all_prompts, responses, rewards, group_size)
+
+
+def packed_logits(model: torch.nn.Module, prompts: list[torch.Tensor], responses: list[torch.Tensor],
+                  autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Forward a right-padded batch and pack each sample's valid rows: fp32 [T_total, V] (vime's THD)."""
+    device = next(model.parameters()).device
+    seqs = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    lengths = [s.numel() for s in seqs]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :s.numel()] = s
+        mask[i, :s.numel()] = 1
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    return torch.cat([logits[i, :n] for i, n in enumerate(lengths)]).float()
+
+
+@torch.no_grad()
+def response_logp(model: torch.nn.Module, rollout: Rollout, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference log-probs [R] of the rollout's response tokens under ``model``."""
+    logits = packed_logits(model, rollout.prompts, rollout.responses, autocast_dtype)
+    batch = standin.packed_batch_standin(rollout.prompts, rollout.responses, old_logp=[], advantages=[])
+    rows, ids = standin.response_rows_standin(batch)
+    return reference.selected_logprob(logits[rows.to(logits.device)], ids.to(logits.device))
+
+
+def vime_batch(model: torch.nn.Module, rollout: Rollout) -> dict:
+    """vime's packed micro-batch for ``rollout`` (old = ref = the model now; rollout = its bf16 forward)."""
+    lens = [r.numel() for r in rollout.responses]
+    old = response_logp(model, rollout).cpu()
+    sampler = response_logp(model, rollout, autocast_dtype=torch.bfloat16).cpu()
+    adv = reference.grpo_advantages(rollout.rewards, rollout.group_size)
+    split = lambda x: list(torch.split(x, lens))  # noqa: E731
+    return standin.packed_batch_standin(
+        rollout.prompts, rollout.responses, old_logp=split(old), ref_logp=split(old.clone()),
+        rollout_logp=split(sampler), advantages=[adv[i].expand(n).clone() for i, n in enumerate(lens)])
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+def train(model: torch.nn.Module, batch: dict, args, *, steps: int, lr: float = 1e-3,
+          max_grad_norm: float = 1.0) -> StepLog:
+    """``steps`` optimizer steps on one rollout batch (vime's several steps per rollout)."""
+    device = next(model.parameters()).device
+    now = _clock(device)
+    batch = batch_to(batch, device)
+    sosm = standin.sum_of_sample_mean_standin(batch["response_lengths"], batch["loss_masks"],
+                                              args.calculate_per_token_loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    log = StepLog()
+    resident = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device)
+    for _ in range(steps):
+        t0 = now()
+        logits = packed_logits(model, _prompts(batch), _responses(batch))
+        t1 = now()
+        loss, metrics = adapter.policy_loss(args, batch, logits, sosm)
+        t2 = now()
+        loss.backward()
+        t3 = now()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t4 = now()
+        log.loss.append(float(loss.detach()))
+        log.grad_norm.append(float(grad_norm))
+        log.metrics.append({k: float(v) for k, v in metrics.items()})
+        log.fallbacks += float(metrics["rlk_fallback"])
+        for name, value in (("forward", t1 - t0), ("backward", t3 - t2), ("optimizer", t4 - t3), ("step", t4 - t0)):
+            log.times_ms[name].append(value * 1e3)
+        for module in ("logp", "ratio_kl", "loss"):
+            log.times_ms[module].append(float(metrics[f"rlk_{module}_ms"]))
+    if device.type == "cuda":
+        # Above what was resident when training started (the models of both arms, the batch), so
+        # the arms compare although the other arm's model is still alive.
+        log.peak_memory_mb = (torch.cuda.max_memory_allocated(device) - resident) / 2**20
+    return log
+
+
+def _prompts(batch: dict) -> list[torch.Tensor]:
+    return [t[: t.numel() - r] for t, r in zip(batch["unconcat_tokens"], batch["response_lengths"])]
+
+
+def _responses(batch: dict) -> list[torch.Tensor]:
+    return [t[t.numel() - r:] for t, r in zip(batch["unconcat_tokens"], batch["response_lengths"])]
+
+
+def param_drift(a: torch.nn.Module, b: torch.nn.Module, start: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(max |a - b| over all parameters, ||a - b|| / ||a - start||: the arms' gap relative to the update)."""
+    gap_sq, upd_sq, gap_max = 0.0, 0.0, 0.0
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        diff = (pa.detach().float() - pb.detach().float())
+        gap_max = max(gap_max, float(diff.abs().max()))
+        gap_sq += float(diff.pow(2).sum())
+        upd_sq += float((pa.detach().float() - start[name].to(pa.device).float()).pow(2).sum())
+    return gap_max, (gap_sq ** 0.5) / max(upd_sq ** 0.5, 1e-30)

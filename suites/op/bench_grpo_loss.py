@@ -1,0 +1,103 @@
+"""grpo_loss benchmarks (GPU): forward+backward to dlogits against the HBM limit, with peers.
+
+Limit: read the logits once and write dlogits once (2*T*V*bytes). vime math, per-sample
+reduction, KL term on. Peers in the same run: torch.compile of the reference (vime math) and,
+where importable, Liger's ``triton_grpo_loss`` (loss_type "grpo"; its math differs from vime's,
+the work is the same: recorded for the roofline table, never gated). Extra memory: ours is the
+dlogits tensor; with ``inplace_backward`` none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import LossConfig
+from kernels.ops.grpo_loss import grpo_loss
+from kernels.reference import grpo_loss as reference_grpo_loss
+from rlk_bench import OURS, dtype_bytes, liger_available, measure, record_limit
+
+pytestmark = [pytest.mark.bench, pytest.mark.gpu]
+
+SHAPES = [(8192, 151936), (4096, 32000)]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SEQ = 256
+CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type="low_var_kl")
+
+
+@pytest.fixture(autouse=True)
+def _no_ids_sync(monkeypatch):
+    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "0")
+
+
+def _inputs(num_tokens, vocab, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(num_tokens, vocab, device="cuda", dtype=dtype, generator=gen)
+    ids = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
+    base = -torch.rand(num_tokens, device="cuda", generator=gen) * 5
+    kw = {
+        "old_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
+        "ref_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
+        "advantages": torch.randn(num_tokens, device="cuda", generator=gen),
+        "loss_mask": torch.rand(num_tokens, device="cuda", generator=gen) > 0.1,
+        "lengths": torch.full((num_tokens // SEQ,), SEQ, device="cuda"),
+    }
+    return logits, ids, kw
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_bench_grpo_loss_forward_backward(rlk_metrics, dtype_name, shape):
+    dtype = DTYPES[dtype_name]
+    num_tokens, vocab = shape
+    logits, ids, kw = _inputs(num_tokens, vocab, dtype)
+    logits.requires_grad_()
+    tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}"}
+    bytes_moved = 2 * num_tokens * vocab * dtype_bytes(dtype)
+    record_limit(rlk_metrics, bytes_moved, tags)
+
+    def ours():
+        loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags)
+
+    work = logits.detach().clone().requires_grad_()
+
+    def ours_inplace():
+        # the kernel overwrites the buffer with dlogits; values stay finite, so reuse is valid timing
+        x = work.detach().requires_grad_()
+        loss, _ = grpo_loss(x, ids, config=CONFIG, inplace_backward=True, **kw)
+        return torch.autograd.grad(loss, x)
+
+    measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags)
+
+    compiled = torch.compile(reference_grpo_loss)
+
+    def peer():
+        loss, _ = compiled(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    compiled_ms = measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
+    rlk_metrics.record("speedup_vs_torch_compile", compiled_ms / ours_ms, direction="higher_is_better",
+                       space="ratio", tags=tags, gate=False)
+    if liger_available():
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        batch = num_tokens // SEQ
+        liger_logits = torch.randn(batch, SEQ + 1, vocab, device="cuda", dtype=dtype).requires_grad_()
+        shaped = {k: kw[k].view(batch, SEQ) for k in ("old_logp", "ref_logp")}
+        liger_ids = ids.view(batch, SEQ)
+        adv = kw["advantages"].view(batch, SEQ)[:, 0].contiguous()
+        mask = kw["loss_mask"].view(batch, SEQ).int()
+
+        def liger():
+            out = triton_grpo_loss(liger_logits, shaped["old_logp"], shaped["ref_logp"], liger_ids, adv, mask,
+                                   temperature=1.0, beta=0.01, eps_low=0.2, eps_high=0.28, inplace=False,
+                                   loss_type="grpo", reduce=True)
+            loss = out[0] if isinstance(out, tuple) else out
+            return torch.autograd.grad(loss, liger_logits)
+
+        liger_ms = measure(rlk_metrics, "liger", liger, bytes_moved, tags)
+        rlk_metrics.record("speedup_vs_liger", liger_ms / ours_ms, direction="higher_is_better", space="ratio",
+                           tags=tags, gate=False)

@@ -1,0 +1,168 @@
+"""linear_logp at the issue's shape on a GPU: accuracy, workspace, and speed beside its peers in one run.
+
+Shape: bf16 hidden [4096, 4096] x LM head [151936, 4096] (Qwen-sized vocab), temperature 1.
+Peers timed in the same process: eager (bf16 matmul + fp32 log-softmax), TRL's
+``trl.kernels.ChunkedLogProbFunction`` (chunk 32768, TRL's own default) and Liger's chunked selective
+log-prob where importable. Times: ``pytest_rlk.timing.bench`` (CUDA events, L2 flushed, median);
+memory: ``peak_extra_memory`` minus the gradients the call returns.
+
+Acceptance (issue 8): forward no slower than TRL's; forward+backward <= 0.85x TRL's; <= 256 MB of
+workspace beyond the inputs and returned gradients; logp within 1e-4 of the fp32-upcast reference
+and gradients within 2e-2 (max |err| / max |ref|) of it cast to bf16.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kernels import tolerances
+from kernels.ops.linear_logp import BWD_MATMUL_ENV, linear_logp
+from kernels.reference.linear_logp import fp32_logits
+from pytest_rlk.timing import bench, peak_extra_memory
+
+T, H, V = 4096, 4096, 151936
+WORKSPACE_BUDGET_BYTES = 256 * 10**6
+FWD_RATIO_MAX = 1.0  # ours / TRL, forward
+FWDBWD_RATIO_MAX = 0.85  # ours / TRL, forward + backward
+CASE = f"linear_logp-bf16-T{T}-H{H}-V{V}"
+
+pytestmark = [pytest.mark.gpu]
+
+Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _eager(hidden, weight, ids):
+    logits = torch.nn.functional.linear(hidden, weight)
+    return logits.float().log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _trl() -> Impl | None:
+    try:
+        function = importlib.import_module("trl.kernels").ChunkedLogProbFunction
+    except (ImportError, AttributeError):
+        return None
+    return lambda hidden, weight, ids: function.apply(hidden, weight, None, ids, 1.0, 32768, None, 1.0, ())[0]
+
+
+def _liger() -> Impl | None:
+    try:
+        function = importlib.import_module("liger_kernel.chunked_loss.fused_linear_ppo")._ChunkedSelectiveLogProbFunction
+    except (ImportError, AttributeError):
+        return None
+    return lambda hidden, weight, ids: function.apply(hidden, weight, ids, None, 1.0, 4096)
+
+
+def _ours(h, w, i):
+    return linear_logp(h, w, i)
+
+
+# Our op twice: default backward (Triton matmuls) and the cuBLAS option (RLK_LINEAR_LOGP_BWD_MATMUL=torch).
+OUR_VARIANTS = {"rlk": "triton", "rlk_bwd_torch_mm": "torch"}
+
+
+def _peers() -> dict[str, Impl]:
+    impls: dict[str, Impl] = {"rlk": _ours, "rlk_bwd_torch_mm": _ours, "eager": _eager}
+    for name, make in (("trl", _trl), ("liger", _liger)):
+        impl = make()
+        if impl is not None:
+            impls[name] = impl
+    return impls
+
+
+@pytest.fixture(scope="module")
+def issue_shape():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    weight = (torch.randn(V, H, device="cuda", generator=gen) * (2.0 / H**0.5)).to(torch.bfloat16)
+    ids = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    ids[:2] = torch.tensor([0, V - 1], device="cuda")
+    upstream = torch.randn(T, device="cuda", generator=gen)
+    return hidden.requires_grad_(), weight.requires_grad_(), ids, upstream
+
+
+def _reference_rows(hidden, weight, ids, upstream, rows: slice):
+    """fp32-upcast reference logp and grads for a slice of rows (rows are independent)."""
+    h = hidden[rows].detach().float().requires_grad_()
+    w = weight.detach().float().requires_grad_()
+    logp = fp32_logits(h, w).log_softmax(-1).gather(-1, ids[rows, None]).squeeze(-1)
+    dh, dw = torch.autograd.grad(logp, (h, w), upstream[rows])
+    return logp.detach(), dh, dw
+
+
+def test_linear_logp_accuracy_and_workspace_at_issue_shape(issue_shape, rlk_metrics):
+    hidden, weight, ids, upstream = issue_shape
+    rlk_metrics.set_case(CASE + "-accuracy")
+    logp = linear_logp(hidden, weight, ids)
+    dh, dw = torch.autograd.grad(logp, (hidden, weight), upstream)
+    ref_logp = torch.empty_like(logp)
+    ref_dh = torch.empty(T, H, device="cuda")
+    ref_dw = torch.zeros(V, H, device="cuda")
+    for start in range(0, T, 1024):
+        rows = slice(start, start + 1024)
+        ref_logp[rows], ref_dh[rows], dw_part = _reference_rows(hidden, weight, ids, upstream, rows)
+        ref_dw += dw_part
+        del dw_part
+    checks = {"logp": tolerances.closeness(logp, ref_logp, tolerances.get("linear_logp", torch.bfloat16))}
+    grad_tol = tolerances.get("linear_logp.grad", torch.bfloat16)
+    for name, got, want in (("hidden", dh, ref_dh), ("weight", dw, ref_dw)):
+        want_cast = want.to(torch.bfloat16).float()
+        checks[f"grad_{name}"] = tolerances.closeness(got, want_cast, grad_tol)
+        rlk_metrics.record(f"grad_{name}_rel_err", checks[f"grad_{name}"].max_abs_err / want_cast.abs().max().item(),
+                           direction="lower_is_better", space="error", gate=False)
+    del ref_dw
+
+    def step():
+        out = linear_logp(hidden, weight, ids)
+        torch.autograd.grad(out, (hidden, weight), upstream)
+
+    returned = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size() + logp.numel() * 4
+    workspace = peak_extra_memory(step) - returned
+    rlk_metrics.record("logp_max_abs_err", checks["logp"].max_abs_err, direction="lower_is_better",
+                       space="logprob", gate=False)
+    rlk_metrics.record("workspace_mb", workspace / 1e6, unit="MB", direction="lower_is_better", space="memory")
+    failed = {name: c.describe() for name, c in checks.items() if not c.ok}
+    assert not failed, f"outside kernels/tolerances.py (linear_logp, bf16, vs fp32-upcast reference): {failed}"
+    assert workspace <= WORKSPACE_BUDGET_BYTES, f"workspace {workspace / 1e6:.0f} MB > 256 MB"
+
+
+@pytest.mark.bench
+def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch):
+    hidden, weight, ids, upstream = issue_shape
+    rlk_metrics.set_case(CASE + "-speed")
+    impls = _peers()
+    fwd_ms, fwdbwd_ms = {}, {}
+    for name, impl in impls.items():
+        monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "triton"))
+
+        def forward(impl=impl):
+            return impl(hidden, weight, ids)
+
+        def forward_backward(impl=impl):
+            torch.autograd.grad(impl(hidden, weight, ids), (hidden, weight), upstream)
+
+        fwd_ms[name] = bench(forward, device="cuda").median_ms
+        fwdbwd_ms[name] = bench(forward_backward, device="cuda").median_ms
+        extra = peak_extra_memory(forward_backward)
+        ours = name == "rlk"
+        rlk_metrics.record(f"fwd_ms_{name}", fwd_ms[name], unit="ms", direction="lower_is_better", space="time", gate=ours)
+        rlk_metrics.record(f"fwdbwd_ms_{name}", fwdbwd_ms[name], unit="ms", direction="lower_is_better",
+                           space="time", gate=ours)
+        rlk_metrics.record(f"fwdbwd_peak_extra_mb_{name}", extra / 1e6, unit="MB", direction="lower_is_better",
+                           space="memory", gate=False)
+    summary = ", ".join(f"{n}: fwd {fwd_ms[n]:.2f} ms, fwd+bwd {fwdbwd_ms[n]:.2f} ms" for n in impls)
+    print(f"\nlinear_logp {CASE} on {torch.cuda.get_device_name()}: {summary}")
+    missing = sorted({"trl", "liger"} - set(impls))
+    if "trl" not in impls:
+        pytest.skip(f"trl.kernels.ChunkedLogProbFunction not importable (install the trl + datasets wheels); "
+                    f"measured {sorted(impls)}, missing {missing}: the TRL ratios cannot be checked")
+    # Acceptance on the default configuration; the cuBLAS-backward variant is recorded beside it.
+    fwd_ratio = fwd_ms["rlk"] / fwd_ms["trl"]
+    fwdbwd_ratio = fwdbwd_ms["rlk"] / fwdbwd_ms["trl"]
+    rlk_metrics.record("fwd_ratio_vs_trl", fwd_ratio, direction="lower_is_better", space="ratio")
+    rlk_metrics.record("fwdbwd_ratio_vs_trl", fwdbwd_ratio, direction="lower_is_better", space="ratio")
+    assert fwd_ratio <= FWD_RATIO_MAX, f"forward {fwd_ratio:.3f}x TRL's (max {FWD_RATIO_MAX}); {summary}"
+    assert fwdbwd_ratio <= FWDBWD_RATIO_MAX, f"forward+backward {fwdbwd_ratio:.3f}x TRL's (max {FWDBWD_RATIO_MAX}); {summary}"

@@ -1,0 +1,99 @@
+"""logp benchmarks (GPU): forward and forward+backward against the HBM limit, with peers.
+
+Limits: forward reads the logits once (T*V*bytes); forward+backward reads them twice and writes
+dlogits once (3*T*V*bytes). Peers in the same run: torch.compile of the reference math and, where
+importable, Liger's ``fused_selective_log_softmax`` (forward only; its logits are [B, L+1, V]).
+Small shapes are launch-bound and reported separately with the host overhead per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.ops.logp import logp
+from kernels.reference import selected_logprob
+from rlk_bench import OURS, dtype_bytes, host_overhead_us, liger_available, measure, record_limit
+
+pytestmark = [pytest.mark.bench, pytest.mark.gpu]
+
+SHAPES = [(8192, 151936), (4096, 32000)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LIGER_SEQ = 256  # liger wants [B, L+1, V]: T = B * L
+
+
+@pytest.fixture(autouse=True)
+def _no_ids_sync(monkeypatch):
+    # the ids range check syncs the host; benchmarks time the kernels (validated by the op tests)
+    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "0")
+
+
+def _inputs(num_tokens, vocab, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(num_tokens, vocab, device="cuda", dtype=dtype, generator=gen)
+    ids = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
+    return logits, ids
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_bench_logp_forward(rlk_metrics, dtype_name, shape):
+    dtype = DTYPES[dtype_name]
+    num_tokens, vocab = shape
+    logits, ids = _inputs(num_tokens, vocab, dtype)
+    tags = {"op": "logp", "pass": "fwd", "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}"}
+    bytes_moved = num_tokens * vocab * dtype_bytes(dtype) + num_tokens * (8 + 4)
+    record_limit(rlk_metrics, bytes_moved, tags)
+    with torch.no_grad():
+        ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags)
+        compiled = torch.compile(selected_logprob)
+        measure(rlk_metrics, "torch_compile", lambda: compiled(logits, ids), bytes_moved, tags)
+        if liger_available() and num_tokens % LIGER_SEQ == 0:
+            from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+            batch = num_tokens // LIGER_SEQ
+            liger_logits = torch.randn(batch, LIGER_SEQ + 1, vocab, device="cuda", dtype=dtype)
+            liger_ids = torch.randint(0, vocab, (batch, LIGER_SEQ + 1), device="cuda")
+            liger_ms = measure(rlk_metrics, "liger",
+                               lambda: fused_selective_log_softmax(liger_logits, liger_ids, 1.0), bytes_moved, tags)
+            rlk_metrics.record("speedup_vs_liger", liger_ms / ours, direction="higher_is_better", space="ratio",
+                               tags=tags, gate=False)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_bench_logp_forward_backward(rlk_metrics, dtype_name, shape):
+    dtype = DTYPES[dtype_name]
+    num_tokens, vocab = shape
+    logits, ids = _inputs(num_tokens, vocab, dtype)
+    logits.requires_grad_()
+    grad = torch.ones(num_tokens, device="cuda")
+    tags = {"op": "logp", "pass": "fwd+bwd", "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}"}
+    bytes_moved = 3 * num_tokens * vocab * dtype_bytes(dtype)
+    record_limit(rlk_metrics, bytes_moved, tags)
+
+    def ours():
+        return torch.autograd.grad(logp(logits, ids), logits, grad)
+
+    compiled = torch.compile(selected_logprob)
+
+    def peer():
+        return torch.autograd.grad(compiled(logits, ids), logits, grad)
+
+    measure(rlk_metrics, OURS, ours, bytes_moved, tags)
+    measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_bench_logp_small_launch_bound(rlk_metrics, num_tokens):
+    """Launch-bound shapes: device time and the host overhead per call (target < 20 us)."""
+    logits, ids = _inputs(num_tokens, 151936, torch.bfloat16)
+    tags = {"op": "logp", "pass": "fwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
+    bytes_moved = num_tokens * 151936 * 2
+    with torch.no_grad():
+        measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, memory=False)
+        host = host_overhead_us(lambda: logp(logits, ids))
+    rlk_metrics.record("rlk_host_overhead_us", host, unit="us", direction="lower_is_better", space="time",
+                       tags={**tags, "ids_check": os.environ.get("VIME_RL_KERNEL_CHECK_IDS", "1")}, gate=False)

@@ -1,0 +1,46 @@
+"""ratio_kl benchmark (GPU): elementwise forward and forward+backward against the HBM limit.
+
+Forward moves 4 fp32 reads (logp, old, ref, mask as fp32) and 2 writes per token; the backward
+reads the same 4 plus 2 incoming gradients and writes 1. Peer: torch.compile of the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.ops.ratio_kl import ratio_kl
+from kernels.reference import ratio_kl as reference_ratio_kl
+from rlk_bench import OURS, measure, record_limit
+
+pytestmark = [pytest.mark.bench, pytest.mark.gpu]
+
+NUM_TOKENS = 1 << 24  # large enough to be bandwidth-bound
+
+
+@pytest.mark.parametrize("kl_type", ["low_var_kl", "k2"])
+def test_bench_ratio_kl(rlk_metrics, kl_type):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logp = -torch.rand(NUM_TOKENS, device="cuda", generator=gen) * 5
+    old = logp + 0.1 * torch.randn(NUM_TOKENS, device="cuda", generator=gen)
+    ref = logp + 0.1 * torch.randn(NUM_TOKENS, device="cuda", generator=gen)
+    mask = (torch.rand(NUM_TOKENS, device="cuda", generator=gen) > 0.1).float()
+    tags = {"op": "ratio_kl", "kl_type": kl_type, "shape": str(NUM_TOKENS), "dtype": "fp32"}
+    fwd_bytes = 6 * 4 * NUM_TOKENS
+    record_limit(rlk_metrics, fwd_bytes, {**tags, "pass": "fwd"})
+    with torch.no_grad():
+        measure(rlk_metrics, OURS, lambda: ratio_kl(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
+                {**tags, "pass": "fwd"})
+        compiled = torch.compile(reference_ratio_kl)
+        measure(rlk_metrics, "torch_compile", lambda: compiled(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
+                {**tags, "pass": "fwd"})
+    leaf = logp.clone().requires_grad_()
+    g = torch.ones(NUM_TOKENS, device="cuda")
+
+    def fwd_bwd():
+        ratio, kl = ratio_kl(leaf, old, ref, mask, kl_type=kl_type)
+        return torch.autograd.grad([ratio, kl], leaf, [g, g])
+
+    fwd_bwd_bytes = fwd_bytes + 7 * 4 * NUM_TOKENS
+    record_limit(rlk_metrics, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"}, name="hbm_limit_fwd_bwd_ms")
+    result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"})
+    assert result_ms > 0

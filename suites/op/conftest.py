@@ -1,0 +1,45 @@
+"""Op tier setup.
+
+Without a CUDA device the Triton kernels run through Triton's interpreter, which must be switched
+on before ``kernels.ops`` is first imported in this process (``triton.jit`` reads
+``TRITON_INTERPRET`` when a kernel is decorated). This conftest sets it at import, before any test
+module of this directory imports ``kernels.ops``; spawned worker processes (TP tests) inherit it.
+On a GPU machine nothing is set: the kernels compile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def triton_strict(monkeypatch):
+    """Kernels on, rlk-triton backend, strict: a parity test can never compare reference to reference."""
+    import kernels
+
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_OPS", "*")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton")
+    kernels.reset_fallback_counts()
+    yield
+    assert kernels.fallback_counts() == {}, "a parity test fell back to the reference"
+    kernels.reset_fallback_counts()
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    """All switches cleared: every op runs the reference."""
+    import kernels
+
+    for name in ("VIME_RL_KERNEL", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_OPS", "VIME_RL_KERNEL_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    kernels.reset_fallback_counts()
+    yield
+    kernels.reset_fallback_counts()

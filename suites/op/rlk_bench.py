@@ -1,0 +1,88 @@
+"""Benchmark helpers for suites/op/bench_*.py (GPU only): timing through pytest_rlk.timing, the
+HBM limit from bandwidth measured once per process, peers imported only where available, and
+recording as metrics (ms lower_is_better; fraction of the HBM limit higher_is_better).
+
+Only our own implementation's metrics gate against baselines; peers' are recorded for the
+roofline table (gate=False).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from pytest_rlk import timing
+
+OURS = "rlk"
+
+
+@functools.cache
+def hbm_bytes_per_s() -> float:
+    bandwidth = timing.measure_hbm_bandwidth()
+    if bandwidth is None:
+        raise RuntimeError("benchmarks need a CUDA device")
+    return bandwidth
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def measure(
+    rlk_metrics,
+    impl: str,
+    fn: Callable[[], object],
+    bytes_moved: int,
+    tags: dict[str, object],
+    *,
+    memory: bool = True,
+) -> float:
+    """Time ``fn``, record its median ms, its fraction of the HBM limit (``bytes_moved`` at the
+    measured bandwidth) and its peak extra memory; returns the median ms."""
+    fn()  # compile / autotune / warm caches outside the timing
+    torch.cuda.synchronize()
+    result = timing.bench(fn, device="cuda")
+    limit_ms = bytes_moved / hbm_bytes_per_s() * 1e3
+    fraction = limit_ms / result.median_ms
+    gate = impl.startswith(OURS)  # our kernels gate; peers are recorded for the roofline table
+    all_tags = {**tags, "impl": impl, "gpu": torch.cuda.get_device_name()}
+    rlk_metrics.record(f"{impl}_ms", result.median_ms, unit="ms", direction="lower_is_better", space="time",
+                       tags=all_tags, gate=gate)
+    rlk_metrics.record(f"{impl}_fraction_of_hbm_limit", fraction, direction="higher_is_better", space="ratio",
+                       tags={**all_tags, "limit_ms": f"{limit_ms:.4f}"}, gate=gate)
+    if memory:
+        extra = timing.peak_extra_memory(fn)
+        rlk_metrics.record(f"{impl}_peak_extra_bytes", float(extra), unit="B", direction="lower_is_better",
+                           space="memory", tags=all_tags, gate=gate)
+    return result.median_ms
+
+
+def record_limit(rlk_metrics, bytes_moved: int, tags: dict[str, object], name: str = "hbm_limit_ms") -> float:
+    limit_ms = bytes_moved / hbm_bytes_per_s() * 1e3
+    rlk_metrics.record(name, limit_ms, unit="ms", direction="two_sided", space="time",
+                       tags={**tags, "hbm_GBps": f"{hbm_bytes_per_s() / 1e9:.0f}"}, gate=False)
+    return limit_ms
+
+
+def host_overhead_us(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Mean host time per call of a launch-bound ``fn`` (no sync between calls; GPU queue kept
+    from filling by a sync every 100 calls)."""
+    import time
+
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn()
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6

@@ -1,0 +1,87 @@
+"""Inputs and helpers shared by the op-tier tests (plain functions, no pytest).
+
+Shapes: on CPU the Triton interpreter is slow, so the matrix uses SMALL_T x SMALL_V; the full
+shapes (T = 4096, V in FULL_V) run only on a GPU (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import tolerances
+from kernels.validation import IGNORE_INDEX
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PLATFORM = tolerances.current_platform()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SMALL_T = (1, 7, 64)
+SMALL_V = (1000, 1031, 4096)  # 1031 is prime: every vocab tile leaves a partial last tile
+FULL_T = 4096
+FULL_V = (32000, 151936)
+TEMPERATURES = (1.0, 0.7)
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_logits(num_tokens: int, vocab: int, dtype: torch.dtype, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    """Logits of a few units with a peaked row or two (like a trained LM), made on CPU then moved
+    so every device sees the same values."""
+    gen = generator(seed)
+    logits = torch.randn(num_tokens, vocab, generator=gen) * scale
+    logits[::3, 0] += 12.0  # a confident row: softmax mass concentrated on one id
+    return logits.to(device=DEVICE, dtype=dtype)
+
+
+def make_ids(num_tokens: int, vocab: int, seed: int = 0, ignore_every: int = 0) -> torch.Tensor:
+    """Target ids: vocab edges included; every ``ignore_every``-th row set to IGNORE_INDEX."""
+    gen = generator(seed + 1)
+    ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    ids[0] = vocab - 1
+    if num_tokens > 1:
+        ids[1] = 0
+    if ignore_every:
+        ids[ignore_every - 1 :: ignore_every] = IGNORE_INDEX
+    return ids.to(DEVICE)
+
+
+def loss_inputs(
+    num_tokens: int, vocab: int, dtype: torch.dtype, seed: int = 0, lengths: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """A packed GRPO batch: logits, ids, old/ref/rollout log-probs near the policy's, advantages,
+    a mask with an all-zero sample when there are >= 3 samples, and lengths."""
+    from kernels.reference import selected_logprob
+
+    lengths = lengths or [num_tokens]
+    assert sum(lengths) == num_tokens
+    gen = generator(seed + 2)
+    logits = make_logits(num_tokens, vocab, dtype, seed)
+    ids = make_ids(num_tokens, vocab, seed)
+    base = selected_logprob(logits, ids).cpu()
+    old = base + 0.3 * torch.randn(num_tokens, generator=gen)
+    ref = base + 0.4 * torch.randn(num_tokens, generator=gen)
+    rollout = old + 0.3 * torch.randn(num_tokens, generator=gen)
+    adv = torch.randn(num_tokens, generator=gen)
+    mask = torch.rand(num_tokens, generator=gen) > 0.25
+    if len(lengths) >= 3:  # sample 1 fully masked out: contributes exactly 0
+        start = lengths[0]
+        mask[start : start + lengths[1]] = False
+    to = {"device": DEVICE}
+    return {
+        "logits": logits,
+        "target_ids": ids,
+        "old_logp": old.to(**to),
+        "ref_logp": ref.to(**to),
+        "rollout_logp": rollout.to(**to),
+        "advantages": adv.to(**to),
+        "loss_mask": mask.to(**to),
+        "lengths": torch.tensor(lengths, device=DEVICE),
+    }
+
+
+def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object]) -> None:
+    """Record a max error (informational: the tolerance table is the gate)."""
+    rlk_metrics.record(
+        name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False
+    )

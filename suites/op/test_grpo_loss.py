@@ -1,0 +1,179 @@
+"""grpo_loss parity: the fused Triton kernel (and its composed GSPO path) vs the fp32 reference.
+
+Every case checks the loss, the four metrics and dlogits (after a backward with grad_output 1.5,
+so the backward's scaling is exercised). Samples are packed (lengths 5, 9, 7, 8) with sample 1
+fully masked out: it must contribute exactly 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import LossConfig, tolerances
+from kernels.reference import METRIC_NAMES
+from kernels.reference import grpo_loss as reference_grpo_loss
+from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, record_error
+
+LENGTHS = [5, 9, 7, 8]
+T_SMALL = sum(LENGTHS)
+V_SMALL = 1031
+
+CONFIGS = {
+    "default": LossConfig(),
+    "asym_lowvar": LossConfig(eps_clip=0.1, eps_clip_high=0.28, kl_loss_coef=0.05),
+    "k1": LossConfig(kl_loss_coef=0.1, kl_type="k1"),
+    "k2": LossConfig(kl_loss_coef=0.1, kl_type="k2"),
+    "k3": LossConfig(kl_loss_coef=0.1, kl_type="k3"),
+    "unbiased": LossConfig(kl_loss_coef=0.1, kl_type="low_var_kl", use_unbiased_kl=True),
+    "dual_clip": LossConfig(eps_clip_c=1.5, kl_loss_coef=0.05),
+    "tis": LossConfig(use_tis=True, kl_loss_coef=0.05),
+    "dual_tis_asym": LossConfig(eps_clip=0.2, eps_clip_high=0.3, eps_clip_c=2.0, use_tis=True, kl_loss_coef=0.02),
+    "per_token": LossConfig(reduction="per_token_sum", kl_loss_coef=0.1, kl_type="k2"),
+    "gspo": LossConfig(gspo=True, kl_loss_coef=0.05),
+}
+
+
+def _run(fn, inputs, config, temperature, dtype, *, with_ref=True, grad_scale=1.5, **kw):
+    logits = inputs["logits"].detach().clone()
+    if dtype is not None:
+        logits = logits.float()
+    logits.requires_grad_()
+    loss, metrics = fn(
+        logits, inputs["target_ids"], old_logp=inputs["old_logp"],
+        ref_logp=inputs["ref_logp"] if with_ref else None, advantages=inputs["advantages"],
+        loss_mask=inputs["loss_mask"], lengths=inputs["lengths"], config=config, temperature=temperature,
+        rollout_logp=inputs["rollout_logp"], **kw,
+    )
+    loss.backward(torch.tensor(grad_scale, device=loss.device))
+    return loss, metrics, logits.grad
+
+
+def _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab, lengths, with_ref=True):
+    dtype = DTYPES[dtype_name]
+    config = CONFIGS[config_name]
+    inputs = loss_inputs(num_tokens, vocab, dtype, seed=7, lengths=lengths)
+    loss, metrics, grad = _run(kernels.grpo_loss, inputs, config, temperature, None, with_ref=with_ref)
+    ref_loss, ref_metrics, ref_grad = _run(reference_grpo_loss, inputs, config, temperature, dtype, with_ref=with_ref)
+    assert grad.dtype == dtype and loss.dtype == torch.float32 and loss.dim() == 0
+    assert set(metrics) == set(METRIC_NAMES)
+    tags = {"op": "grpo_loss", "dtype": dtype_name, "config": config_name, "temperature": temperature,
+            "shape": f"{num_tokens}x{vocab}"}
+    err = tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss")
+    for name in METRIC_NAMES:
+        tolerances.assert_close(metrics[name], ref_metrics[name], "grpo_loss", dtype, name=name)
+    grad_err = tolerances.assert_close(grad, ref_grad, "grpo_loss.grad", dtype, name="dlogits")
+    record_error(rlk_metrics, "loss_max_abs_err", err, tags)
+    record_error(rlk_metrics, "dlogits_max_abs_err", grad_err, tags)
+    return loss, metrics
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_grpo_loss_parity(triton_strict, rlk_metrics, dtype_name, config_name):
+    _, metrics = _parity(rlk_metrics, dtype_name, config_name, 1.0, T_SMALL, V_SMALL, LENGTHS)
+    if config_name == "asym_lowvar":  # nonzero guard: the clip and KL branches are really exercised
+        assert float(metrics["pg_clipfrac"]) > 0 and float(metrics["kl_loss"]) > 0
+
+
+@pytest.mark.parametrize("config_name", ["asym_lowvar", "dual_tis_asym", "per_token", "gspo"])
+def test_grpo_loss_parity_temperature(triton_strict, rlk_metrics, config_name):
+    _parity(rlk_metrics, "fp32", config_name, 0.7, T_SMALL, V_SMALL, LENGTHS)
+
+
+def test_grpo_loss_without_ref_logp(triton_strict, rlk_metrics):
+    _, metrics = _parity(rlk_metrics, "fp32", "default", 1.0, T_SMALL, V_SMALL, LENGTHS, with_ref=False)
+    assert float(metrics["kl_loss"]) == 0.0
+
+
+@pytest.mark.parametrize("use_cu_seqlens", [False, True])
+def test_grpo_loss_masked_sample_contributes_zero(triton_strict, use_cu_seqlens):
+    """Dropping the fully masked sample changes neither the loss nor the other rows' gradients;
+    its own rows get an exactly zero gradient."""
+    inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=3, lengths=LENGTHS)
+    config = CONFIGS["asym_lowvar"]
+    lengths = inputs.pop("lengths")
+    if use_cu_seqlens:
+        from kernels.reference import lengths_to_cu_seqlens
+
+        packing = {"cu_seqlens": lengths_to_cu_seqlens(lengths)}
+    else:
+        packing = {"lengths": lengths}
+    logits = inputs.pop("logits").requires_grad_()
+    loss, _ = kernels.grpo_loss(logits, config=config, **inputs, **packing)
+    loss.backward()
+    masked = slice(LENGTHS[0], LENGTHS[0] + LENGTHS[1])
+    assert torch.count_nonzero(logits.grad[masked]) == 0
+    keep = torch.ones(T_SMALL, dtype=torch.bool, device=DEVICE)
+    keep[masked] = False
+    kept = {k: v[keep] for k, v in inputs.items()}
+    logits2 = logits.detach()[keep].clone().requires_grad_()
+    loss2, _ = kernels.grpo_loss(
+        logits2, config=config, lengths=torch.tensor([LENGTHS[0]] + LENGTHS[2:], device=DEVICE), **kept
+    )
+    loss2.backward()
+    assert torch.isfinite(loss) and torch.equal(loss, loss2)
+    assert torch.equal(logits.grad[keep], logits2.grad)
+
+
+def test_grpo_loss_all_masked_is_zero_not_nan(triton_strict):
+    inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=3, lengths=LENGTHS)
+    inputs["loss_mask"] = torch.zeros_like(inputs["loss_mask"])
+    logits = inputs.pop("logits").requires_grad_()
+    loss, metrics = kernels.grpo_loss(logits, config=CONFIGS["asym_lowvar"], **inputs)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+    assert torch.count_nonzero(logits.grad) == 0
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_grpo_loss_inplace_backward(triton_strict, dtype_name):
+    """inplace_backward=True: same gradient bit for bit, written into the logits' own storage.
+
+    grad_output 0.5 (a power of two, as with 2 microbatches): scaled in place exactly in both modes
+    (a non-power-of-two scale of 16-bit in-place dlogits rounds twice; documented)."""
+    dtype = DTYPES[dtype_name]
+    inputs = loss_inputs(T_SMALL, V_SMALL, dtype, seed=5, lengths=LENGTHS)
+    config = CONFIGS["asym_lowvar"]
+    loss_a, _, grad_a = _run(kernels.grpo_loss, inputs, config, 1.0, None, grad_scale=0.5)
+    leaf = inputs["logits"].detach().clone().requires_grad_()
+    logits = leaf.clone()  # a non-leaf, like an LM head's output: its gradient is passed on as is
+    seen = []
+    logits.register_hook(seen.append)
+    rest = {k: v for k, v in inputs.items() if k != "logits"}
+    loss_b, _ = kernels.grpo_loss(logits, config=config, inplace_backward=True, **rest)
+    loss_b.backward(torch.tensor(0.5, device=loss_b.device))
+    assert torch.equal(loss_a, loss_b)
+    assert torch.equal(leaf.grad, grad_a)
+    assert seen[0].data_ptr() == logits.data_ptr()  # dlogits live in the logits' buffer
+
+
+def test_grpo_loss_forward_only_matches(triton_strict):
+    """Logits without requires_grad: the kernel skips the gradient sweep; same loss and metrics."""
+    inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=5, lengths=LENGTHS)
+    config = CONFIGS["tis"]
+    loss_a, metrics_a, _ = _run(kernels.grpo_loss, inputs, config, 1.0, None)
+    loss_b, metrics_b = kernels.grpo_loss(config=config, **inputs)
+    assert not loss_b.requires_grad
+    assert torch.equal(loss_a.detach(), loss_b)
+    assert all(torch.equal(metrics_a[k], metrics_b[k]) for k in METRIC_NAMES)
+
+
+def test_grpo_loss_second_backward_raises(triton_strict):
+    inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=5, lengths=LENGTHS)
+    logits = inputs.pop("logits").requires_grad_()
+    loss, _ = kernels.grpo_loss(logits, **inputs)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config_name", ["asym_lowvar", "dual_tis_asym", "per_token", "gspo"])
+@pytest.mark.parametrize("vocab", [32000, 151936])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_grpo_loss_parity_full(triton_strict, rlk_metrics, dtype_name, vocab, config_name):
+    lengths = [FULL_T // 8] * 8
+    _parity(rlk_metrics, dtype_name, config_name, 1.0, FULL_T, vocab, lengths)
+    torch.cuda.empty_cache()

@@ -1,0 +1,116 @@
+"""`rlk diff` exit codes (clean run, injected regression, A/B pair) through the real entry point."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from rlk_plugin_testing import REPO_ROOT, latest_run_dir
+
+from pytest_rlk import cli
+
+GATED = """
+import os
+
+def test_gated(rlk_metrics):
+    rlk_metrics.record("loss", float(os.environ.get("RLK_LOSS", "1.0")), direction="lower_is_better",
+                       space="loss")
+    rlk_metrics.record("tokens_per_s", 1000.0, direction="higher_is_better", space="throughput")
+"""
+
+
+def rlk(*args: str, cwd) -> subprocess.CompletedProcess:
+    """The console entry as a user runs it (`rlk ...` is `python -m pytest_rlk.cli ...`)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "pytest_rlk.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def two_runs(rlk_pytester, monkeypatch):
+    """A clean run (with its baselines recorded) and a run with the loss regressed by 5%."""
+    rlk_pytester.makepyfile(**{"suites/op/test_gated": GATED})
+    monkeypatch.setenv("RLK_LOSS", "1.0")
+    rlk_pytester.runpytest("--rlk-update-baselines=all").assert_outcomes(passed=1)
+    clean = latest_run_dir(rlk_pytester)
+    monkeypatch.setenv("RLK_LOSS", "1.05")
+    rlk_pytester.runpytest().assert_outcomes(failed=1)
+    regressed = latest_run_dir(rlk_pytester)
+    return rlk_pytester, clean, regressed
+
+
+def test_diff_clean_run_exits_0(two_runs):
+    pytester, clean, _ = two_runs
+    done = rlk("diff", str(clean), "--baselines", "baselines", cwd=pytester.path)
+    assert done.returncode == 0, done.stderr
+    header = done.stdout.splitlines()[1].split()
+    assert header == ["metric", "baseline", "new", "delta", "band", "verdict"]
+    assert "test_gated.test_gated/loss" in done.stdout and "2 pass" in done.stdout
+
+
+def test_diff_regression_exits_1(two_runs):
+    pytester, _, regressed = two_runs
+    done = rlk("diff", str(regressed / "run.json"), "--baselines", "baselines", cwd=pytester.path)
+    assert done.returncode == 1
+    loss_row = next(line for line in done.stdout.splitlines() if "/loss" in line)
+    assert loss_row.split()[1:] == ["1", "1.05", "0.05", "0.01", "regression"]
+
+
+def test_diff_latest_is_the_newest_run(two_runs):
+    pytester, _, _ = two_runs
+    assert cli.main(["--artifacts", str(pytester.path / ".rlk/runs"), "diff", "latest",
+                     "--baselines", str(pytester.path / "baselines")]) == 1
+
+
+def test_diff_ab_pair(two_runs, capsys):
+    _, clean, regressed = two_runs
+    assert cli.main(["diff", str(clean), str(clean)]) == 0
+    assert cli.main(["diff", str(clean), str(regressed)]) == 1
+    assert "regression" in capsys.readouterr().out
+    assert cli.main(["diff", str(regressed), str(clean)]) == 0  # B better: flagged, not failed
+    assert "improved (refresh the baseline)" in capsys.readouterr().out
+    assert cli.main(["diff", str(regressed), str(clean), "--fail-on-improvement"]) == 1
+
+
+def test_diff_corrupt_or_missing_run_exits_2(two_runs):
+    pytester, clean, _ = two_runs
+    data = json.loads((clean / "run.json").read_text())
+    data["status"] = "finished-ish"
+    (clean / "run.json").write_text(json.dumps(data))
+    done = rlk("diff", str(clean), cwd=pytester.path)
+    assert done.returncode == 2
+    assert "run.json: field 'status'" in done.stderr
+    assert rlk("diff", str(pytester.path / "nope"), cwd=pytester.path).returncode == 2
+    assert rlk("diff", cwd=pytester.path).returncode == 2  # usage error (argparse)
+
+
+def test_extension_subcommands_are_added(monkeypatch, capsys):
+    """A stand-in extension module registers a command the way pytest_rlk.e2e.cli does."""
+    import types
+
+    ext = types.ModuleType("pytest_rlk.bench_cli")
+
+    def add_subcommands(subparsers):
+        hello = subparsers.add_parser("hello")
+        hello.add_argument("--code", type=int, default=0)
+        hello.set_defaults(func=lambda args: print("hello from ext") or args.code)
+
+    ext.add_subcommands = add_subcommands
+    monkeypatch.setitem(sys.modules, "pytest_rlk.bench_cli", ext)
+    assert cli.main(["hello", "--code", "3"]) == 3
+    assert "hello from ext" in capsys.readouterr().out
+
+
+def test_broken_extension_warns_and_builtins_still_work(monkeypatch, capsys, tmp_path):
+    import pytest_rlk
+
+    (tmp_path / "bench_cli.py").write_text("import a_module_that_does_not_exist_here\n")
+    monkeypatch.setattr(pytest_rlk, "__path__", [*pytest_rlk.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "pytest_rlk.bench_cli", raising=False)
+    assert cli.main(["merge", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "warning: subcommands of pytest_rlk.bench_cli not loaded" in err
+    assert "a_module_that_does_not_exist_here" in err
+    assert "none" in err  # the merge error names the missing run

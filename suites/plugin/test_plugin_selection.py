@@ -1,0 +1,167 @@
+"""pytester runs: tier selection, the unknown-tier error, hardware skips, markers, options."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from rlk_plugin_testing import latest_run
+
+TEST_BODY = "def test_{name}():\n    pass\n"
+
+
+def _suite(pytester):
+    pytester.makepyfile(**{
+        "suites/op/test_o": TEST_BODY.format(name="o"),
+        "suites/module/test_m": TEST_BODY.format(name="m"),
+        "suites/e2e/test_e": TEST_BODY.format(name="e"),
+        "suites/plugin/test_u": TEST_BODY.format(name="u"),
+        "elsewhere/test_marked": "import pytest\n\n@pytest.mark.e2e\ndef test_marked():\n    pass\n",
+    })
+
+
+def test_default_tier_is_op_and_untiered_always_runs(rlk_pytester):
+    _suite(rlk_pytester)
+    result = rlk_pytester.runpytest()
+    result.assert_outcomes(passed=2, deselected=3)
+    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (1 tests); untiered: 1",
+                                 "deselected (tier not selected): e2e 2, module 1"])
+    run = latest_run(rlk_pytester)
+    assert {t.nodeid: t.tier for t in run.tests} == {
+        "suites/op/test_o.py::test_o": "op", "suites/plugin/test_u.py::test_u": None}
+    assert run.deselected == {"e2e": 2, "module": 1}
+
+
+def test_tier_list_selects_several(rlk_pytester):
+    _suite(rlk_pytester)
+    result = rlk_pytester.runpytest("--rlk-tier=module,e2e")
+    result.assert_outcomes(passed=4, deselected=1)
+    assert latest_run(rlk_pytester).manifest.tiers == ["module", "e2e"]
+
+
+def test_unknown_tier_is_a_usage_error(rlk_pytester):
+    _suite(rlk_pytester)
+    result = rlk_pytester.runpytest("--rlk-tier=op,gpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--rlk-tier: unknown tier 'gpu'; valid tiers: op, module, e2e*"])
+
+
+HARDWARE_TESTS = """
+import pytest
+
+@pytest.mark.h200
+def test_h200():
+    pass
+
+@pytest.mark.h100
+@pytest.mark.gpus(2)
+def test_two_h100():
+    pass
+
+@pytest.mark.gpu_mem(80)
+def test_big_memory():
+    pass
+
+@pytest.mark.qwen3_4b
+def test_model():
+    pass
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_cpu_tiny():
+    pass
+"""
+
+
+def test_hardware_markers_skip_with_reasons(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=e2e", "--rlk-platform=cpu",
+                                    "--strict-markers", "-rs")
+    result.assert_outcomes(passed=1, skipped=4)
+    result.stdout.fnmatch_lines_random([
+        "*needs an H200 (this machine: cpu, 0 GPUs)*",
+        "*needs an H100 (this machine: cpu, 0 GPUs); needs 2 GPUs (found 0)*",
+        "*needs 80 GB GPU memory (found 0)*",
+        "*needs checkpoint qwen3_4b under --rlk-model-root (not given)*",
+        "skipped by hardware/resources: 4",
+    ])
+    run = latest_run(rlk_pytester)
+    assert sum(t.unserved for t in run.tests) == 4
+
+
+def test_dash_m_h200_on_cpu_skips_and_exits_0(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=cpu", "-rs")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(skipped=1, deselected=4)
+    result.stdout.fnmatch_lines(["*needs an H200 (this machine: cpu, 0 GPUs)*"])
+
+
+def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
+    """Documented choice: the plugin does not mask "no tests collected"."""
+    rlk_pytester.makepyfile(**{"suites/e2e/test_plain": TEST_BODY.format(name="plain")})
+    result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+def test_platform_override_serves_the_marker(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=h200")
+    result.assert_outcomes(passed=1, deselected=4)
+    assert latest_run(rlk_pytester).manifest.platform.tag == "h200"
+
+
+def test_vime_marker_needs_vime_root(rlk_pytester, tmp_path):
+    rlk_pytester.makepyfile(**{"suites/op/test_v": "import pytest\n\n@pytest.mark.vime\ndef test_v():\n    pass\n"})
+    rlk_pytester.runpytest().assert_outcomes(skipped=1)
+    rlk_pytester.runpytest(f"--rlk-vime-root={tmp_path}").assert_outcomes(passed=1)
+    assert latest_run(rlk_pytester).manifest.vime_root == str(tmp_path)
+    bad = rlk_pytester.runpytest(f"--rlk-vime-root={tmp_path / 'nope'}")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*--rlk-vime-root:*nope*is not a directory*"])
+
+
+def test_backend_option_is_exported_for_the_session(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_b": (
+        "import os\n\ndef test_b():\n    assert os.environ['VIME_RL_KERNEL_BACKEND'] == 'my_pkg.backends:make'\n")})
+    rlk_pytester.runpytest("--rlk-backend=my_pkg.backends:make").assert_outcomes(passed=1)
+    assert "VIME_RL_KERNEL_BACKEND" not in os.environ  # restored after the session
+    assert latest_run(rlk_pytester).manifest.kernel_backend_option == "my_pkg.backends:make"
+
+
+def test_bad_marker_argument_fails_the_test(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_bad": (
+        "import pytest\n\n@pytest.mark.gpus('two')\ndef test_bad():\n    pass\n")})
+    result = rlk_pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*marker gpus takes one non-negative number*"])
+
+
+def test_hooks_override_platform_and_extend_summary(rlk_pytester):
+    rlk_pytester.makeconftest('''
+pytest_plugins = ["pytest_rlk.plugin"]
+from pytest_rlk.schema import PlatformInfo
+
+def pytest_rlk_platform(config):
+    return PlatformInfo(tag="h200", detected_tag="h200", device_name="NVIDIA H200", device_count=8,
+                        memory_bytes=150_000_000_000, capability="9.0")
+
+def pytest_rlk_summary(config, run):
+    return [f"custom line: {len(run.tests)} tests"]
+''')
+    rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=e2e", "-rs")
+    result.assert_outcomes(passed=3, skipped=2)  # h200, gpu_mem(80) and cpu served; h100, checkpoint not
+    result.stdout.fnmatch_lines(["custom line: 5 tests"])
+    assert latest_run(rlk_pytester).manifest.platform.device_count == 8
+
+
+def test_every_marker_passes_strict_markers(rlk_pytester):
+    from pytest_rlk.markers import MARKERS
+
+    decorators = "".join(
+        f"@pytest.mark.{name.replace('(n)', '(1)').replace('(gb)', '(1)')}\n" for name in MARKERS
+    )
+    rlk_pytester.makepyfile(**{"suites/op/test_all": f"import pytest\n\n{decorators}def test_all():\n    pass\n"})
+    result = rlk_pytester.runpytest("--strict-markers", "--rlk-platform=cpu", "-rs")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(skipped=1)  # collected (no unknown-marker error), skipped for hardware
