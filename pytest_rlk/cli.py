@@ -86,12 +86,23 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pytest_rlk.report import write_report  # matplotlib: only for this command
+    from pytest_rlk.report import write_report
 
     run_path, run = _load_run(args.run, args.artifacts)
     out = args.output or run_path.parent / "report"
-    path = write_report(run, out)
+    path = write_report(run, out, plots=not args.no_plots)
     print(f"wrote {path}")
+    if args.performance is not None:
+        from pytest_rlk.performance import collect, update_performance_doc
+
+        cases = collect(run)
+        if not cases:
+            print(f"rlk: error: --performance: run {run_path} holds no benchmark timings "
+                  "(metrics '<impl>_ms' tagged impl=<impl>, see docs/performance.md); "
+                  f"{args.performance} not written", file=sys.stderr)
+            return 2
+        print(f"wrote {update_performance_doc(args.performance, run, cases)} "
+              f"(section {run.manifest.platform.tag}, {len(cases)} cases)")
     return 0
 
 
@@ -121,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write report.md and PNG plots for a run")
     report.add_argument("run", metavar="RUN", help="a run dir, run.json or 'latest'")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
+    report.add_argument("--performance", type=Path, default=None, metavar="MD",
+                        help="also write/update the run platform's roofline section of MD "
+                             "(e.g. docs/performance.md); exit 2 if the run holds no benchmark timings")
+    report.add_argument("--no-plots", action="store_true",
+                        help="Markdown only, no PNGs (for machines without matplotlib)")
     report.set_defaults(func=cmd_report)
 
     merge = sub.add_parser("merge", help="merge a run's part files into run.json (crashed runs too)")

@@ -60,6 +60,14 @@ def tier_of(path: PurePath, marker_names: Iterable[str]) -> str | None:
     return None
 
 
+def tier_of_dir(path: PurePath) -> str | None:
+    """The tier a directory ``.../suites/<tier>`` stands for (None for any other directory)."""
+    parts = path.parts
+    if len(parts) >= 2 and parts[-2] == "suites" and parts[-1] in TIERS:
+        return parts[-1]
+    return None
+
+
 @dataclass
 class ServeContext:
     """What the machine and the options offer, for :func:`unserved_reason`."""

@@ -9,6 +9,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pytest_rlk.compare import scalar_value
+from pytest_rlk.performance import PerfCase, collect
 from pytest_rlk.schema import MetricRecord, RunRecord
 
 
@@ -105,6 +106,27 @@ def plot_time_breakdown(run: RunRecord, out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "time_breakdown.png")]
 
 
+def plot_performance(cases: list[PerfCase], path: Path) -> Path:
+    """Grouped bars: ms per impl (ours and peers) per benchmark case, log scale (peers can be
+    10x apart)."""
+    impls = sorted({name for c in cases for name in c.timings})
+    width = 0.8 / len(impls)
+    fig = Figure(figsize=(max(6.0, 1.0 * len(cases) + 3), 4.5))
+    ax = fig.add_subplot()
+    for i, impl in enumerate(impls):
+        xs = [k + (i - (len(impls) - 1) / 2) * width for k, c in enumerate(cases) if impl in c.timings]
+        heights = [c.timings[impl].ms for c in cases if impl in c.timings]
+        ax.bar(xs, heights, width=width, label=impl)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)), [c.label for c in cases], rotation=30, ha="right", fontsize="small")
+    ax.set_ylabel("median time [ms] (log scale)")
+    ax.set_title("benchmark time per implementation")
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
 def plot_run(run: RunRecord, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return plot_series(run, out_dir) + plot_scalars(run, out_dir) + plot_time_breakdown(run, out_dir)
+    cases = collect(run)
+    performance = [plot_performance(cases, out_dir / "performance_ms.png")] if cases else []
+    return performance + plot_series(run, out_dir) + plot_scalars(run, out_dir) + plot_time_breakdown(run, out_dir)

@@ -36,6 +36,7 @@ class RlkState:
     saved_backend_env: tuple[bool, str | None] = (False, None)
     deselected: dict[str, int] = field(default_factory=dict)
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
+    not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
 
 
 STATE = pytest.StashKey[RlkState]()
@@ -129,6 +130,24 @@ def pytest_sessionstart(session):
     if run_dir is not None and not config.pluginmanager.hasplugin("dsession"):
         state.writer = rlk_session.PartWriter(run_dir, state.worker or "main")
         state.writer.flush()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``suites/<tier>/`` of an unselected tier is not collected at all: importing its modules
+    (torch, transformers, trl, ...) would cost collection time for tests deselected anyway.
+    Not when a path given on the command line lies inside it: those are collected and
+    deselected as before, so the summary names them."""
+    tier = markers.tier_of_dir(collection_path)
+    state = config.stash.get(STATE, None)
+    if tier is None or state is None or tier in state.opts.tiers or not collection_path.is_dir():
+        return None
+    given = (Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args)
+    if any(path.is_relative_to(collection_path) for path in given):
+        return None
+    root = Path(config.rootpath)
+    rel = collection_path.relative_to(root) if collection_path.is_relative_to(root) else collection_path
+    state.not_collected[tier] = str(rel)
+    return True
 
 
 def pytest_collection_modifyitems(config, items):
@@ -293,7 +312,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     run = state.run
     terminalreporter.section("rlk")
-    for line in summary_lines(run, state.run_dir, state.opts.tiers):
+    for line in summary_lines(run, state.run_dir, state.opts.tiers, not_collected=state.not_collected):
         terminalreporter.write_line(line)
     for extra in config.hook.pytest_rlk_summary(config=config, run=run):
         for line in extra or ():

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from pytest_rlk.schema import GateResult, MetricComparison, RunRecord, Verdict
@@ -31,14 +31,20 @@ def diff_table(results: Iterable[GateResult]) -> str:
     return format_table(DIFF_HEADERS, rows)
 
 
-def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str]) -> list[str]:
-    """The ``rlk`` terminal section: tiers, hardware skips, gate verdicts, fallbacks, artifacts."""
+def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
+                  not_collected: Mapping[str, str] | None = None) -> list[str]:
+    """The ``rlk`` terminal section: tiers, hardware skips, gate verdicts, fallbacks, artifacts.
+
+    ``not_collected``: tier -> its directory, skipped at collection (tier not selected)."""
     per_tier = Counter(t.tier or "untiered" for t in run.tests)
     ran = ", ".join(f"{tier} ({per_tier.get(tier, 0)} tests)" for tier in tiers)
     lines = [f"tiers run: {ran}" + (f"; untiered: {per_tier['untiered']}" if per_tier.get("untiered") else "")]
     if any(run.deselected.values()):
         lines.append("deselected (tier not selected): " + ", ".join(
             f"{tier} {n}" for tier, n in sorted(run.deselected.items()) if n))
+    if not_collected:
+        lines.append("not collected (tier not selected): " + ", ".join(
+            f"{tier} ({path}/)" for tier, path in sorted(not_collected.items())))
     unserved = Counter(t.skip_reason for t in run.tests if t.unserved)
     if unserved:
         lines.append(f"skipped by hardware/resources: {sum(unserved.values())}")

@@ -23,7 +23,6 @@ LOSS_FEATURES: dict[str, Callable[[LossConfig], bool]] = {
     "dual_clip": lambda c: c.eps_clip_c is not None,
     "tis": lambda c: c.use_tis,
     "unbiased_kl": lambda c: c.use_unbiased_kl,
-    "asymmetric_clip": lambda c: c.eps_clip != c.eps_clip_high,
 }
 
 

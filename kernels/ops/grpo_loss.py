@@ -112,7 +112,7 @@ def _grpo_loss_kernel(
         ref = tl.load(ref_ptr + row).to(tl.float32)
         kl, dkl = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
     coef = tl.where(ignored, 0.0, weight * (dpg + kl_coef * dkl))
-    # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (reduced by one matvec), then what a
+    # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (weighted sums give the metrics), then what a
     # backward with a non-unit grad_output needs to recompute dlogits: coef, row max, sum-exp
     tl.store(per_token_ptr + row, pg)
     tl.store(per_token_ptr + num_tokens + row, clipped)
@@ -153,7 +153,8 @@ class GrpoLossFunction(torch.autograd.Function):
             KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
             DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
         )
-        metrics = per_token[:4] @ weights  # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss
+        # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss (multiply + sum, not a matmul: TF32 must not apply)
+        metrics = (per_token[:4] * weights).sum(dim=1)
         loss = metrics[0] + config.kl_loss_coef * metrics[3] if config.kl_loss_coef != 0.0 else metrics[0].clone()
         ctx.grad_logits = grad if write_grad else None
         ctx.row_stats = per_token[4:]
@@ -236,4 +237,4 @@ def grpo_loss(
         logits, target_ids, f32(old_logp), f32(ref_logp), f32(advantages), f32(rollout_logp), weights,
         config, float(temperature), int(ignore_index), bool(inplace_backward),
     )
-    return loss, dict(zip(METRIC_NAMES, metrics.unbind(0)))
+    return loss, dict(zip(METRIC_NAMES, metrics.unbind(0), strict=False))

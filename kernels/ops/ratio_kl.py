@@ -32,7 +32,7 @@ def kl_value_and_grad(logp, ref_logp, old_logp, KL_TYPE: tl.constexpr, UNBIASED:
     r = logp - ref_logp
     if KL_TYPE == 0:
         kl = r
-        dkl = tl.full(r.shape, 1.0, tl.float32)
+        dkl = r * 0.0 + 1.0  # same shape as r, scalar or block
     elif KL_TYPE == 1:
         kl = r * r / 2.0
         dkl = r

@@ -177,8 +177,10 @@ def _collect(outcome: ArmOutcome, arm_dir: Path, spec: ABSpec) -> None:
     if tb is None or not tb.files:
         outcome.notes.append(f"{outcome.command.label}: no TensorBoard events under {tb_dir}: stdout is the only source")
     else:
-        for kind in ("rollout", "perf"):
-            outcome.problems += [f"{outcome.command.label}: {p}" for p in cross_check(log.records[kind], tb)]
+        for kind in ("rollout", "step", "perf"):
+            problems, notes = cross_check(log.records[kind], tb)
+            outcome.problems += [f"{outcome.command.label}: metric sources disagree: {p}" for p in problems]
+            outcome.notes += [f"{outcome.command.label}: {n}" for n in notes]
         outcome.notes += tb.truncated
     (arm_dir / "series.json").write_text(json.dumps({
         "label": outcome.command.label, "lane": outcome.command.lane, "status": result.status,

@@ -224,12 +224,6 @@ class RayHead:
         """End the head's session (gcs, raylet, dashboard, workers, job drivers)."""
         return end_session(self.process, grace_s=grace_s)
 
-    def __enter__(self) -> RayHead:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
 
 @dataclass
 class ArmResult:
@@ -262,7 +256,8 @@ class ArmResult:
 
 
 def shell_command(cmd: ArmCommand) -> str:
-    """The arm's command as one shell line (cd + exec), what both modes execute."""
+    """The arm's command as one shell line (cd + exec): the job entrypoint in ray mode (local mode
+    runs the same argv in the same workdir)."""
     run = shlex.join(cmd.argv)
     return f"cd {shlex.quote(cmd.workdir)} && exec {run}" if cmd.workdir else f"exec {run}"
 

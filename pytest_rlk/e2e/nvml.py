@@ -11,7 +11,6 @@ On a machine without a driver or GPU, `start()` raises `NvmlUnavailable("no NVML
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 
 MIB = 1024 * 1024
 
@@ -47,7 +46,7 @@ def nvml_unavailable_reason() -> str | None:
 
 
 class NvmlPeakPoller:
-    """Context manager sampling used memory of `devices` (default: all) until stopped."""
+    """Samples used memory of `devices` (default: all) from `start()` until `stop()`."""
 
     def __init__(self, devices: list[int] | None = None, interval_s: float = 0.5) -> None:
         if interval_s <= 0:
@@ -105,11 +104,3 @@ class NvmlPeakPoller:
         if self._error is not None:
             raise NvmlUnavailable(f"NVML polling failed: {self._error}") from self._error
         return dict(self.peak_mib)
-
-    def __enter__(self) -> NvmlPeakPoller:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self.stop()

@@ -189,6 +189,10 @@ def _metric_table(inputs: ReportInputs) -> list[str]:
             cells.append("n/a" if stat is None else f"{stat:.6g}")
         note = " (not compared)" if name in m.NEVER_COMPARED else ""
         lines.append(f"| {name}{note} | {policy.unit if policy else ''} | {agg} | " + " | ".join(cells) + " |")
+    if any(arm.peak_vram_mib_per_gpu for arm in inputs.arms):
+        cells = [f"{max(a.peak_vram_mib_per_gpu.values()):.6g}" if a.peak_vram_mib_per_gpu else "n/a"
+                 for a in inputs.arms]
+        lines.append(f"| {m.PEAK_VRAM} (NVML, max over GPUs) | MiB | max | " + " | ".join(cells) + " |")
     for agg in ("p50", "p90", "p99"):
         cells = []
         for arm in inputs.arms:
@@ -203,15 +207,20 @@ def _verdict_lines(verdict: PairVerdict | None) -> list[str]:
     if verdict is None:
         return ["No verdict: the run did not produce metrics for both arms."]
     lines = [f"**Pair verdict: {verdict.verdict.upper()}** ({verdict.case} on {verdict.platform})", ""]
-    lines += ["| lane | metric | baseline | kernels | band | verdict | detail |", "|---|---|---|---|---|---|---|"]
+    lines += ["| lane | metric | baseline (fallbacks: required) | kernels | band | verdict | detail |",
+              "|---|---|---|---|---|---|---|"]
     for lane in verdict.lanes:
         for c in lane.gate.comparisons:
-            fmt = lambda v: "" if v is None else f"{v:.6g}"  # noqa: E731
             band = "" if c.band is None else f"{c.band.describe()} ({c.band.source})"
-            lines.append(f"| {lane.lane} | {c.name} | {fmt(c.baseline)} | {fmt(c.new)} | {band} | "
+            lines.append(f"| {lane.lane} | {c.name} | {_fmt(c.baseline)} | {_fmt(c.new)} | {band} | "
                          f"{c.verdict.label} | {c.detail} |")
-        lines.extend(f"\nNote ({lane.lane}): {note}" for note in lane.notes)
+    lines.append("")
+    lines += [f"- note ({lane.lane}): {note}" for lane in verdict.lanes for note in lane.notes]
     return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
 
 
 def write_report(out_dir: str | Path, inputs: ReportInputs) -> ReportPaths:

@@ -170,15 +170,23 @@ def read_scalars(directory: str | Path) -> TensorBoardScalars:
 
 
 def cross_check(stdout_records: dict[int, dict[str, float]], tb: TensorBoardScalars, *,
-                rel: float = 1e-5) -> list[str]:
-    """Disagreements between stdout metric dicts ({index: {key: value}}) and TensorBoard for the
-    keys and steps both have. TensorBoard stores float32: compared with relative tolerance `rel`."""
-    problems = []
-    for index, values in stdout_records.items():
-        for key, value in values.items():
-            tb_value = tb.scalars.get(key, {}).get(index)
-            if tb_value is None:
-                continue
+                rel: float = 1e-5) -> tuple[list[str], list[str]]:
+    """Compare stdout metric dicts ({index: {key: value}}) with TensorBoard for the keys both have.
+
+    Values are matched in order (stdout by index, TensorBoard by step), so the check does not
+    depend on which step axis vime writes a key with. TensorBoard stores float32: compared with
+    relative tolerance `rel`. Returns (disagreements, notes); a different number of values (a
+    writer that had not flushed when a run died) is a note, not a disagreement.
+    """
+    problems: list[str] = []
+    notes: list[str] = []
+    keys = sorted({k for values in stdout_records.values() for k in values} & set(tb.scalars))
+    for key in keys:
+        ours = [(i, stdout_records[i][key]) for i in sorted(stdout_records) if key in stdout_records[i]]
+        theirs = [tb.scalars[key][step] for step in sorted(tb.scalars[key])]
+        if len(ours) != len(theirs):
+            notes.append(f"{key}: {len(ours)} values on stdout, {len(theirs)} in TensorBoard")
+        for (index, value), tb_value in zip(ours, theirs):
             if abs(tb_value - value) > rel * max(abs(value), 1e-6):
                 problems.append(f"{key} at {index}: stdout {value!r} vs TensorBoard {tb_value!r}")
-    return problems
+    return problems, notes

@@ -6,8 +6,8 @@ actor prefix, `rollout N:`, `step N:`, two `perf N:` lines per rollout (rollout 
 trainer), `eval N:`, values as `np.float64(x)`. Numbers are a deterministic function of
 `--seed` and the rollout index, so two arms with the same settings print the same baseline
 numbers; the kernel arm (env VIME_RL_KERNEL=1) prints `train/entropy_loss` 0 and a fallback
-count, as the fork does. It writes nothing but stdout (and the debug-rollout files it is asked to
-save, so the replay lane has something to load).
+count, as the fork does. It writes nothing but stdout (plus the debug-rollout files it is asked to
+save, so the replay lane has something to load, and a given TensorBoard file, see below).
 
 Stand-in switches (environment, so an A/B test can put them in the kernel switch):
 - RLK_STANDIN_DIE_AT_ROLLOUT=K   exit 17 after printing rollout K's lines (a run that dies midway)
@@ -17,6 +17,7 @@ Stand-in switches (environment, so an A/B test can put them in the kernel switch
 - RLK_STANDIN_ABSDIFF_RISE=D     add D to train_rollout_logprob_abs_diff in the kernel arm
 - RLK_STANDIN_FALLBACKS=N        the kernel arm reports N fallbacks (and logs a fallback line)
 - RLK_STANDIN_SPAWN_CHILD=1      leave a sleeping child process behind (teardown tests)
+- RLK_STANDIN_TB_EVENTS=FILE     copy FILE (a TensorBoard event file) into $TENSORBOARD_DIR
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -59,6 +61,10 @@ def main(argv: list[str]) -> int:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"stand-in child pid {child.pid}", flush=True)
 
+    if os.environ.get("RLK_STANDIN_TB_EVENTS"):
+        tb_dir = Path(os.environ["TENSORBOARD_DIR"])
+        tb_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.environ["RLK_STANDIN_TB_EVENTS"], tb_dir / "events.out.tfevents.standin")
     print(f"stand-in vime train.py (NOT vime): kernels {'on' if kernels_on else 'off'}", flush=True)
     if kernels_on:
         print(_prefix("MegatronTrainRayActor", 40) + "linear_logp provider active: stand-in", flush=True)

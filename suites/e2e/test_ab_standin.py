@@ -5,6 +5,7 @@ run that dies midway."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from pytest_rlk.cli import main as rlk_main
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.ab import ABRunError, run_ab
-from pytest_rlk.e2e.spec import ABSpec, SPECS_DIR
+from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError
 from pytest_rlk.schema import Verdict
 
 
@@ -56,6 +57,14 @@ def test_standin_ab_passes_both_lanes_and_reports(vime_root, tmp_path):
     report = run.report.markdown.read_text()
     assert "Pair verdict: PASS" in report and "kernels.integrations.vime.policy_loss" in report
     assert json.loads((out / "ab_result.json").read_text())["passed"] is True
+    assert "no TensorBoard events under" in report  # the stand-in writes none: said, not hidden
+
+
+def test_tensorboard_disagreeing_with_stdout_fails_the_lane(vime_root, tmp_path, fixtures_dir):
+    spec = _spec(("live",), RLK_STANDIN_TB_EVENTS=str(fixtures_dir / "vime_tb.tfevents.fixture"))
+    run = _run(spec, vime_root, tmp_path / "run")
+    failures = "\n".join(run.verdict.lanes[0].failures())
+    assert not run.passed and "metric sources disagree: rollout/raw_reward at 0" in failures
 
 
 def test_injected_regressions_fail_the_live_lane(vime_root, tmp_path):
@@ -92,3 +101,13 @@ def test_cli_run_and_exit_codes(vime_root, tmp_path, capsys):
     assert rlk_main(args) == 1
     assert rlk_main(["e2e", "run", str(spec_path), "--vime-root", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_pinned_vime_commit_must_match_the_checkout(vime_root, tmp_path):
+    git = ["git", "-C", str(vime_root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "stand-in checkout"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    raw = json.loads(_spec(("live",)).model_dump_json())
+    raw["vime"]["commit"] = "0123456789abcdef"
+    with pytest.raises(SpecError, match=r"pins vime commit 0123456789abcdef but .* is at [0-9a-f]{40}"):
+        _run(ABSpec.model_validate(raw), vime_root, tmp_path / "run")

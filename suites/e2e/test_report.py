@@ -45,7 +45,8 @@ def test_all_plots_are_written_and_non_blank(inputs, tmp_path):
     assert SCOPE_STATEMENT in text
     for expected in ("Pair verdict: PASS", "ray job submit --address=http://127.0.0.1:1", "`abc123`", "8x h200",
                      '"lr": 1e-06', "VIME_RL_KERNEL=1 --loss-type custom_loss", "/runs/live/kernels/job.log",
-                     "entropy_loss (not compared)", "| step_time_s | s | p99 |", "miles: raw_reward down"):
+                     "entropy_loss (not compared)", "| step_time_s | s | p99 |",
+                     "| peak_vram_mib (NVML, max over GPUs) | MiB | max | 64363 | 64363 |", "miles: raw_reward down"):
         assert expected in text, expected
     lowered = text.lower()
     assert "no claim about mixture-of-experts" in lowered and "not a replacement" in lowered

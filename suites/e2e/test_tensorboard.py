@@ -30,10 +30,16 @@ def test_agrees_with_stdout_and_flags_a_disagreement(fixtures_dir, tmp_path):
     tb = TensorBoardScalars()
     read_event_file(fixtures_dir / FIXTURE, tb)
     log = parse_vime_log(fixtures_dir / "vime_30b_a3b_baseline.log")
-    assert cross_check(log.records["rollout"], tb) == [] and cross_check(log.records["perf"], tb) == []
+    assert cross_check(log.records["rollout"], tb) == ([], []) and cross_check(log.records["perf"], tb) == ([], [])
     log.records["perf"][1]["perf/step_time"] = 80.0
-    problems = cross_check(log.records["perf"], tb)
+    problems, _ = cross_check(log.records["perf"], tb)
     assert len(problems) == 1 and "perf/step_time at 1" in problems[0]
+    # matched in order, not by step number: a scaled step axis still lines up
+    tb.scalars["perf/step_time"] = {10 * s: v for s, v in tb.scalars["perf/step_time"].items()}
+    log.records["perf"][1]["perf/step_time"] = 95.9
+    assert cross_check(log.records["perf"], tb) == ([], [])
+    del log.records["perf"][2]
+    assert "2 values on stdout, 3 in TensorBoard" in cross_check(log.records["perf"], tb)[1][0]
 
 
 def test_truncated_file_is_reported_and_corruption_raises(fixtures_dir, tmp_path):

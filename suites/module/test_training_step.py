@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -99,6 +100,12 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics) -> 
                        gate=False)
     rlk_metrics.record("param_drift_rel", drift_rel, direction="lower_is_better", space="error", tags=tags,
                        band={"abs_floor": case.drift_rel_max, "source": "StepCase tolerance"})
+
+    (rlk_metrics.artifact_dir / "steps.json").write_text(json.dumps(
+        {"case": {"kind": case.kind, "vocab_size": case.vocab_size, "size": dataclasses.asdict(case.size),
+                  "dtype": str(case.dtype), "steps": case.steps, "device": device.type},
+         "arms": {arm: dataclasses.asdict(log) for arm, log in logs.items()},
+         "param_max_abs_diff": gap_max, "param_drift_rel": drift_rel}, indent=1))
 
     assert ref.fallbacks == 0 and ker.fallbacks == 0
     assert len(set(ref.loss)) > 1, f"the loss did not move over {case.steps} steps: {ref.loss}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -122,7 +123,10 @@ def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metri
             "approx_kl0": float(metrics["ppo_kl"]) / lengths.numel(),
             "fallback": float(metrics["rlk_fallback"]),
         }
-    (tmp_path / "drift.json").write_text(json.dumps({"results": results, "vllm": rollout["vllm_version"]}, indent=1))
+    artifacts = rlk_metrics.artifact_dir
+    (artifacts / "drift.json").write_text(json.dumps({"results": results, "vllm": rollout["vllm_version"]}, indent=1))
+    (artifacts / "rollout.json").write_text(json.dumps(rollout))
+    shutil.copyfile(tmp_path / "vllm.log", artifacts / "vllm.log")
     tags = {"model": "tiny-dense", "vllm": rollout["vllm_version"]}
     for arm, res in results.items():
         for name, value in res.items():

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_bench import OURS, dtype_bytes, liger_available, measure, record_limit
 
 from kernels import LossConfig
 from kernels.ops.grpo_loss import grpo_loss
 from kernels.reference import grpo_loss as reference_grpo_loss
-from rlk_bench import OURS, dtype_bytes, liger_available, measure, record_limit
 
 pytestmark = [pytest.mark.bench, pytest.mark.gpu]
 

@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
+from rlk_bench import OURS, dtype_bytes, host_overhead_us, liger_available, measure, record_limit
 
 from kernels.ops.logp import logp
 from kernels.reference import selected_logprob
-from rlk_bench import OURS, dtype_bytes, host_overhead_us, liger_available, measure, record_limit
 
 pytestmark = [pytest.mark.bench, pytest.mark.gpu]
 

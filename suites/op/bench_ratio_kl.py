@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_bench import OURS, measure, record_limit
 
 from kernels.ops.ratio_kl import ratio_kl
 from kernels.reference import ratio_kl as reference_ratio_kl
-from rlk_bench import OURS, measure, record_limit
 
 pytestmark = [pytest.mark.bench, pytest.mark.gpu]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from rlk_op_cases import DEVICE, loss_inputs, make_ids, make_logits
 
 import kernels
 from kernels import backends, dispatch
 from kernels.backends.base import BaseBackend, Capabilities
 from kernels.reference import selected_logprob
-from rlk_op_cases import DEVICE, loss_inputs, make_ids, make_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

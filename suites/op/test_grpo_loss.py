@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, record_error
 
 import kernels
 from kernels import LossConfig, tolerances
 from kernels.reference import METRIC_NAMES
 from kernels.reference import grpo_loss as reference_grpo_loss
-from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, record_error
 
 LENGTHS = [5, 9, 7, 8]
 T_SMALL = sum(LENGTHS)

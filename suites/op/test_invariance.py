@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_op_cases import DEVICE, DTYPES, generator
 
 import kernels
 from kernels import LossConfig
-from rlk_op_cases import DEVICE, DTYPES, generator
 
 ON_GPU = DEVICE == "cuda"
 V = 151936 if ON_GPU else 1031
@@ -20,7 +20,8 @@ ROWS = 5
 
 def _embed(rows: torch.Tensor, batch: int, offset: int, pad: int, seed: int) -> torch.Tensor:
     """``rows`` placed at ``offset`` in a batch of other random rows, with ``pad`` extra columns."""
-    filler = (torch.randn(batch, V + pad, generator=generator(seed)) * 3.0).to(device=DEVICE, dtype=rows.dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)  # on the device: GPU batches are GBs
+    filler = (torch.randn(batch, V + pad, generator=gen, device=DEVICE) * 3.0).to(rows.dtype)
     filler[offset : offset + rows.shape[0], :V] = rows
     return filler[:, :V]
 

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_op_cases import (
+    DEVICE,
+    DTYPES,
+    FULL_T,
+    FULL_V,
+    SMALL_T,
+    SMALL_V,
+    TEMPERATURES,
+    make_ids,
+    make_logits,
+    record_error,
+)
 
 import kernels
 from kernels import tolerances
 from kernels.reference import selected_logprob
-from rlk_op_cases import DEVICE, DTYPES, FULL_T, FULL_V, SMALL_T, SMALL_V, TEMPERATURES, make_ids, make_logits, record_error
 
 
 def _parity(rlk_metrics, num_tokens: int, vocab: int, dtype_name: str, temperature: float) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_op_cases import DEVICE, generator, record_error
 
 import kernels
 from kernels import tolerances
 from kernels.reference import KL_TYPES
 from kernels.reference import ratio_kl as reference_ratio_kl
-from rlk_op_cases import DEVICE, generator, record_error
 
 
 def _inputs(num_tokens: int, seed: int = 0):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rlk_op_cases import DEVICE, loss_inputs, make_ids, make_logits
 
 import kernels
 from kernels import LossConfig
-from rlk_op_cases import DEVICE, loss_inputs, make_ids, make_logits
 
 V = 1000
 

@@ -22,19 +22,40 @@ def _suite(pytester):
 def test_default_tier_is_op_and_untiered_always_runs(rlk_pytester):
     _suite(rlk_pytester)
     result = rlk_pytester.runpytest()
-    result.assert_outcomes(passed=2, deselected=3)
+    # suites/e2e and suites/module are not even imported; the marked test elsewhere is deselected
+    result.assert_outcomes(passed=2, deselected=1)
     result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (1 tests); untiered: 1",
-                                 "deselected (tier not selected): e2e 2, module 1"])
+                                 "deselected (tier not selected): e2e 1",
+                                 "not collected (tier not selected): e2e (suites/e2e/), module (suites/module/)"])
     run = latest_run(rlk_pytester)
     assert {t.nodeid: t.tier for t in run.tests} == {
         "suites/op/test_o.py::test_o": "op", "suites/plugin/test_u.py::test_u": None}
-    assert run.deselected == {"e2e": 2, "module": 1}
+    assert run.deselected == {"e2e": 1}
+
+
+def test_unselected_tier_directory_is_not_imported(rlk_pytester):
+    rlk_pytester.makepyfile(**{
+        "suites/op/test_o": TEST_BODY.format(name="o"),
+        "suites/e2e/conftest": "raise RuntimeError('suites/e2e/conftest.py imported')\n",
+        "suites/e2e/test_e": "raise RuntimeError('suites/e2e/test_e.py imported')\n",
+    })
+    result = rlk_pytester.runpytest()
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_path_given_inside_an_unselected_tier_is_collected_and_deselected(rlk_pytester):
+    _suite(rlk_pytester)
+    result = rlk_pytester.runpytest("suites/e2e/test_e.py")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.assert_outcomes(deselected=1)
 
 
 def test_tier_list_selects_several(rlk_pytester):
     _suite(rlk_pytester)
     result = rlk_pytester.runpytest("--rlk-tier=module,e2e")
-    result.assert_outcomes(passed=4, deselected=1)
+    result.assert_outcomes(passed=4)  # suites/op is not collected
+    result.stdout.fnmatch_lines(["not collected (tier not selected): op (suites/op/)"])
     assert latest_run(rlk_pytester).manifest.tiers == ["module", "e2e"]
 
 
