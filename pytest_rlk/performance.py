@@ -182,9 +182,9 @@ def tables_markdown(cases: list[PerfCase]) -> list[str]:
     lines = md_table(*roofline_rows(cases)) + [""]
     bandwidths = sorted({c.hbm_gbps for c in cases if c.hbm_gbps})
     if bandwidths:
-        lines += [f"HBM bandwidth measured in this run: {', '.join(bandwidths)} GB/s; "
-                  "the limit is the case's bytes moved at that bandwidth. "
-                  "`vs <peer>` = peer ms / our ms (above 1: ours is faster).", ""]
+        lines += [(f"HBM bandwidth measured in this run: {', '.join(bandwidths)} GB/s; "
+                   "the limit is the case's bytes moved at that bandwidth. "
+                   "`vs <peer>` = peer ms / our ms (above 1: ours is faster)."), ""]
     headers, rows = launch_bound_rows(cases)
     if rows:
         lines += ["Launch-bound shapes (host overhead target: < 20 us per call):", ""] + md_table(headers, rows) + [""]
@@ -211,8 +211,8 @@ def performance_section(run: RunRecord, cases: list[PerfCase], *, generated_utc:
     lines = [_SECTION_BEGIN.format(tag=tag), f"<!-- {GENERATED_NOTE} -->", "",
              f"## {tag}: {gpu_name(run)}", "",
              f"*{GENERATED_NOTE}.*", "",
-             f"- GPU: {gpu_name(run)} ({m.platform.describe()}; capability {m.platform.capability}, "
-             f"CUDA {m.platform.cuda}, driver {m.platform.driver})",
+             (f"- GPU: {gpu_name(run)} ({m.platform.describe()}; capability {m.platform.capability}, "
+              f"CUDA {m.platform.cuda}, driver {m.platform.driver})"),
              f"- run: `{m.run_id}` started {m.created_utc} (status {run.status}); table generated {generated}",
              f"- command: `{command_line(run)}`",
              f"- suite commit: {m.suite_commit} (dirty: {m.suite_dirty}); {software}", ""]

@@ -9,7 +9,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pytest_rlk.compare import scalar_value
-from pytest_rlk.performance import PerfCase, collect
+from pytest_rlk.performance import PerfCase, collect, is_ours
 from pytest_rlk.schema import MetricRecord, RunRecord
 
 
@@ -109,7 +109,7 @@ def plot_time_breakdown(run: RunRecord, out_dir: Path) -> list[Path]:
 def plot_performance(cases: list[PerfCase], path: Path) -> Path:
     """Grouped bars: ms per impl (ours and peers) per benchmark case, log scale (peers can be
     10x apart)."""
-    impls = sorted({name for c in cases for name in c.timings})
+    impls = sorted({name for c in cases for name in c.timings}, key=lambda name: (not is_ours(name), name))
     width = 0.8 / len(impls)
     fig = Figure(figsize=(max(6.0, 1.0 * len(cases) + 3), 4.5))
     ax = fig.add_subplot()

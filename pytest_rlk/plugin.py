@@ -141,9 +141,11 @@ def pytest_ignore_collect(collection_path, config):
     state = config.stash.get(STATE, None)
     if tier is None or state is None or tier in state.opts.tiers or not collection_path.is_dir():
         return None
-    given = (Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args)
+    given = [Path(config.invocation_params.dir, arg.split("::")[0]).resolve() for arg in config.args]
     if any(path.is_relative_to(collection_path) for path in given):
         return None
+    if not any(collection_path.is_relative_to(path) for path in given):
+        return None  # not asked for (pytest only looks at it on the way): nothing to report
     root = Path(config.rootpath)
     rel = collection_path.relative_to(root) if collection_path.is_relative_to(root) else collection_path
     state.not_collected[tier] = str(rel)

@@ -21,8 +21,8 @@ def render(run: RunRecord, images: list[Path] | None, out_dir: Path) -> str:
     lines = [f"# rlk run {m.run_id}", "",
              f"- status: **{run.status}** (exit status {run.exit_status}); started {m.created_utc}, finished {run.finished_utc}",
              f"- command: `{command_line(run)}`", f"- tiers: {', '.join(m.tiers)}",
-             f"- platform: {m.platform.tag} ({m.platform.describe()}; capability {m.platform.capability}, "
-             f"CUDA {m.platform.cuda}, driver {m.platform.driver})",
+             (f"- platform: {m.platform.tag} ({m.platform.describe()}; capability {m.platform.capability}, "
+              f"CUDA {m.platform.cuda}, driver {m.platform.driver})"),
              f"- suite commit: {m.suite_commit} (dirty: {m.suite_dirty}); vime commit: {m.vime_commit}",
              f"- kernel backends: {', '.join(m.kernel_backend_ids) or '-'}",
              "- software: " + ", ".join(f"{k} {v}" for k, v in m.software.items() if v),

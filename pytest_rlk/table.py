@@ -17,7 +17,7 @@ def fmt(value: float | None) -> str:
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     rows = [list(map(str, r)) for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 

@@ -205,7 +205,7 @@ def gate_lane(
     notes: list[str] = []
     ignored = sorted(set(baseline) & set(kernels) & m.NEVER_COMPARED)
     if ignored:
-        notes.append(f"not compared across arms: {', '.join(ignored)} (the kernel arm does not compute entropy)")
+        notes.append(f"not compared across arms: {', '.join(ignored)} (entropy is reported, never gated; vime's kernel arm does not compute it)")
     return LaneVerdict(case, platform, lane, baseline_label, kernels_label, result, notes)
 
 

@@ -45,10 +45,16 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"
 RESPONSE_LENGTH = "response_length"
 ENTROPY_LOSS = "entropy_loss"
 FALLBACK_COUNT = "fallback_count"
+# Recorded by the TRL engine (reported with their units, never gated).
+PEAK_RSS = "peak_rss_mib"  # CPU arms: the process's peak resident set (no VRAM to measure)
+LOSS_TIME = "loss_time_s"
+OPTIMIZER_TIME = "optimizer_time_s"
+ENTROPY = "entropy"
 
-# The kernel arm does not materialize entropy (train/entropy_loss reads 0 there): recorded for the
-# report, never compared across arms (vime-facts.md, "Kernel switches").
-NEVER_COMPARED: frozenset[str] = frozenset({ENTROPY_LOSS})
+# Entropy is recorded for the report, never compared across arms: vime's kernel arm does not
+# materialize it (train/entropy_loss reads 0 there; vime-facts.md, "Kernel switches"), and in the
+# TRL lane it is a by-product of the log-prob path under test, not a training outcome.
+NEVER_COMPARED: frozenset[str] = frozenset({ENTROPY_LOSS, ENTROPY})
 
 # The per-module times plotted as the step-time breakdown.
 MODULE_TIMES: tuple[str, ...] = (
@@ -130,12 +136,16 @@ E2E_METRICS: dict[str, MetricPolicy] = {
         _policy(ROLLOUT_LOG_PROBS, "", "two_sided", "logprob", "report", "mean", None),
         _policy(RESPONSE_LENGTH, "tok", "two_sided", "none", "report", "mean", None),
         _policy(ENTROPY_LOSS, "", "two_sided", "none", "report", "mean", None),
+        _policy(ENTROPY, "nat/token", "two_sided", "none", "report", "mean", None),
         _policy(ROLLOUT_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(LOG_PROBS_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(REF_LOG_PROBS_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(ACTOR_TRAIN_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(TRAIN_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(UPDATE_WEIGHTS_TIME, "s", "lower_is_better", "time", "report", "median", None),
+        _policy(LOSS_TIME, "s", "lower_is_better", "time", "report", "median", None),
+        _policy(OPTIMIZER_TIME, "s", "lower_is_better", "time", "report", "median", None),
+        _policy(PEAK_RSS, "MiB", "lower_is_better", "memory", "report", "max", None),
         _policy(TRAIN_TOKENS_PER_S, "tok/s", "higher_is_better", "throughput", "report", "median", None),
         _policy(FALLBACK_COUNT, "", "lower_is_better", "count", "fallback", "max", FALLBACK_BAND),
     )

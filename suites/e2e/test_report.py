@@ -6,7 +6,7 @@ import pytest
 
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.gates import gate_lane, pair_verdict
-from pytest_rlk.e2e.report import SCOPE_STATEMENT, ArmRun, ReportInputs, write_report
+from pytest_rlk.e2e.report import SCOPE_STATEMENTS, ArmRun, ReportInputs, scope_statement, write_report
 from pytest_rlk.e2e.vime_log import parse_vime_log
 
 
@@ -42,7 +42,7 @@ def test_all_plots_are_written_and_non_blank(inputs, tmp_path):
                      "step_time_steps.png"]
     assert all(_non_blank(p) for p in paths.plots)
     text = paths.markdown.read_text()
-    assert SCOPE_STATEMENT in text
+    assert scope_statement("vime") in text
     for expected in ("Pair verdict: PASS", "ray job submit --address=http://127.0.0.1:1", "`abc123`", "8x h200",
                      '"lr": 1e-06', "VIME_RL_KERNEL=1 --loss-type custom_loss", "/runs/live/kernels/job.log",
                      "entropy_loss (not compared)", "| step_time_s | s | p99 |",
@@ -58,3 +58,31 @@ def test_missing_data_is_said_not_drawn(inputs, tmp_path):
     assert [p.name for p in paths.plots] == ["reward_absdiff.png"]
     text = paths.markdown.read_text()
     assert "peak_vram.png: not drawn" in text and "No verdict" in text
+
+
+def test_scope_statement_is_per_engine_and_claims_no_moe_kernel_or_r3_replacement(inputs, tmp_path):
+    vime, trl = SCOPE_STATEMENTS["vime"], SCOPE_STATEMENTS["trl"]
+    assert "ratio/KL and the GRPO policy loss" in vime
+    assert "only TRL's per-token log-probs" in trl and "computed inline by TRL in both arms" in trl
+    for text in (vime, trl):
+        lowered = text.lower()
+        assert "no claim about mixture-of-experts" in lowered
+        assert "replac" not in lowered.replace("not a replacement", "")  # R3 is never said to be replaced
+    trl_series = {**inputs.arms[0].series, m.PEAK_RSS: [900.0, 950.0], m.LOSS_TIME: [0.1, 0.2],
+                  m.OPTIMIZER_TIME: [0.01, 0.02], m.ENTROPY: [2.0, 1.9]}
+    arms = [ArmRun(a.role, a.label, a.lane, trl_series, a.command) for a in inputs.arms]
+    text = write_report(tmp_path, ReportInputs(**{**inputs.__dict__, "engine": "trl", "arms": arms})).markdown.read_text()
+    assert trl in text and vime not in text
+    for row in ("| peak_rss_mib | MiB | max |", "| loss_time_s | s | median |", "| optimizer_time_s | s | median |",
+                "| entropy (not compared) | nat/token | mean |"):
+        assert row in text, row
+    with pytest.raises(ValueError, match="no scope statement for engine 'verl'"):
+        scope_statement("verl (ray mode)")
+
+
+def test_report_only_metrics_have_units_and_are_never_gated():
+    for name, unit in ((m.PEAK_RSS, "MiB"), (m.LOSS_TIME, "s"), (m.OPTIMIZER_TIME, "s"), (m.ENTROPY, "nat/token")):
+        policy = m.E2E_METRICS[name]
+        assert policy.unit == unit and policy.group == "report" and not policy.gated
+        assert not policy.live and not policy.replay_per_step
+    assert m.ENTROPY in m.NEVER_COMPARED and m.ENTROPY_LOSS in m.NEVER_COMPARED

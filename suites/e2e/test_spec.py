@@ -17,6 +17,7 @@ from pytest_rlk.e2e.spec import (
 
 SPEC_PATHS = matrix_spec_paths()
 VIME_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "vime"]
+TRL_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "trl"]
 MATRIX_CASES = {
     "qwen3-4b-a100-grpo-gsm8k", "qwen3-30b-a3b-h200-grpo-dapo", "qwen3-30b-a3b-r3-h200-grpo-dapo",
     "glm45-air-h200-grpo-dapo", "qwen3-0.6b-2gpu-smoke-gsm8k",
@@ -64,6 +65,40 @@ def test_plan_arms_differ_only_by_the_kernel_switch(path, capsys):
         b_rest = [("--load-debug-rollout-data" if a == "--save-debug-rollout-data" else a) for a in b_cmd]
         assert k_rest == b_rest
         assert "--ci-test" not in b_cmd or "--use-fault-tolerance" not in b_cmd
+
+
+def _trl_plan_arm(line: str) -> tuple[str, dict[str, str], list[str]]:
+    """`cd DIR && env K=V ... ARGV` -> (DIR, env, argv)."""
+    tokens = shlex.split(line)
+    assert tokens[0] == "cd" and tokens[2:4] == ["&&", "env"], line
+    rest = tokens[4:]
+    n_env = next(i for i, t in enumerate(rest) if "=" not in t)
+    return tokens[1], dict(t.split("=", 1) for t in rest[:n_env]), rest[n_env:]
+
+
+@pytest.mark.parametrize("path", TRL_SPECS, ids=lambda p: p.stem)
+def test_trl_plan_prints_both_arms_identical_except_the_kernel_switch(path, capsys):
+    """`rlk e2e plan` of a TRL spec: the two subprocess command lines run_ab would start."""
+    assert rlk_main(["e2e", "plan", path.stem]) == 0
+    out = capsys.readouterr().out
+    spec = load_spec(path)
+    (b_dir, b_env, b_argv), (k_dir, k_env, k_argv) = (
+        _trl_plan_arm(line) for line in out.splitlines() if line.startswith("cd "))
+    assert b_dir == k_dir and b_env["PYTHONPATH"] == b_dir
+    assert {k: v for k, v in k_env.items() if k not in spec.kernel_switch.env} == b_env
+    assert all(k_env[k] == v and k not in b_env for k, v in spec.kernel_switch.env.items())
+    assert b_argv[1:4] == ["-m", "pytest_rlk.e2e.engines.trl_engine", "--spec"]
+    switch = list(spec.kernel_switch.args)
+    k_rest = k_argv[: len(k_argv) - len(switch)]
+    assert k_argv[len(k_rest):] == switch
+    assert k_rest == [{"baseline": "kernels"}.get(a, a) for a in b_argv[:-1]] + [b_argv[-1][: -len("baseline")] + "kernels"]
+    assert b_argv[b_argv.index("--arm") + 1] == "baseline" and b_argv[-1].endswith("/baseline")
+    assert b_env.get("TRITON_INTERPRET") == ("1" if spec.hardware.platform == "cpu" else None)
+
+
+def test_trl_plan_refuses_vime_root(capsys):
+    assert rlk_main(["e2e", "plan", TRL_SPECS[0].stem, "--vime-root", "/v"]) == 2
+    assert "engine 'trl' does not use --vime-root" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)

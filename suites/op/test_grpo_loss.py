@@ -113,7 +113,8 @@ def test_grpo_loss_masked_sample_contributes_zero(triton_strict, use_cu_seqlens)
         logits2, config=config, lengths=torch.tensor([LENGTHS[0]] + LENGTHS[2:], device=DEVICE), **kept
     )
     loss2.backward()
-    assert torch.isfinite(loss) and torch.equal(loss, loss2)
+    # the loss is a sum over a different number of terms: equal within the table, not bitwise
+    tolerances.assert_close(loss, loss2, "grpo_loss", torch.float32, name="loss without the masked sample")
     assert torch.equal(logits.grad[keep], logits2.grad)
 
 

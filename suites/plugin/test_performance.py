@@ -10,7 +10,13 @@ import pytest
 from pytest_rlk import cli, storage
 from pytest_rlk.performance import GENERATED_NOTE, collect, roofline_rows
 from pytest_rlk.recorder import MetricRecorder
-from pytest_rlk.schema import DeviceInfo, PlatformInfo, RunManifest, RunRecord, TestRecord
+from pytest_rlk.schema import (
+    DeviceInfo,
+    PlatformInfo,
+    RunManifest,
+    RunRecord,
+    TestRecord,
+)
 
 GPU = "NVIDIA H100 80GB HBM3"
 
@@ -83,6 +89,25 @@ def test_collect_and_rows_follow_the_bench_convention():
     assert grpo["ms"] == "1.8" and grpo["of limit"] == "91.7%" and grpo["peak extra"] == "2.49 GB"
     assert grpo["liger ms"] == "2.53" and grpo["vs liger"] == "1.41x" and grpo["vs torch_compile"] == "3.58x"
     assert by_impl[("grpo_loss", "rlk_inplace")]["peak extra"] == "0 B"
+
+
+def test_ratio_kl_layout_two_passes_in_one_test():
+    """bench_ratio_kl.py: fwd (rlk, torch_compile) and fwd+bwd (rlk_fwd_bwd) in one test."""
+    rec = MetricRecorder("suites/op/bench_ratio_kl.py::test_bench_ratio_kl[k2]", tier="op", artifact_root=None)
+    tags = {"op": "ratio_kl", "kl_type": "k2", "shape": "16777216", "dtype": "fp32"}
+    rec.record("hbm_limit_ms", 0.133, unit="ms", direction="two_sided", space="time",
+               tags={**tags, "pass": "fwd"}, gate=False)
+    _bench(rec, "rlk", 0.14, 0.133, {**tags, "pass": "fwd"}, 0.0)
+    _bench(rec, "torch_compile", 0.15, 0.133, {**tags, "pass": "fwd"}, 0.0)
+    rec.record("hbm_limit_fwd_bwd_ms", 0.288, unit="ms", direction="two_sided", space="time",
+               tags={**tags, "pass": "fwd+bwd"}, gate=False)
+    _bench(rec, "rlk_fwd_bwd", 0.32, 0.288, {**tags, "pass": "fwd+bwd"}, 0.0)
+    run = synthetic_run().model_copy(update={"tests": [_test_record(rec)]})
+    fwd, fwd_bwd = collect(run)
+    assert (fwd.pass_, fwd.limit_ms, sorted(fwd.timings), fwd.variant) == ("fwd", 0.133, ["rlk", "torch_compile"], "kl_type=k2")
+    assert (fwd_bwd.pass_, fwd_bwd.limit_ms, sorted(fwd_bwd.timings)) == ("fwd+bwd", 0.288, ["rlk_fwd_bwd"])
+    headers, rows = roofline_rows([fwd, fwd_bwd])
+    assert [dict(zip(headers, r))["vs torch_compile"] for r in rows] == ["1.07x", "-"]
 
 
 def test_report_has_the_table_and_a_bar_chart(tmp_path):

@@ -20,9 +20,9 @@ plain forward's logits are what transformers' generation samples from (the no-vL
 other rollout engine). ``DIR/run_info.json`` records versions, the backend id, fallback counts
 and reasons, patched-call counts and settings.
 
-The parent side (``arm_commands``, ``run_arms``, ``read_arm_series``, ``run_ab``, ``gate_ab``,
-``write_ab_report``) builds the two commands from the spec, checks they differ only by the kernel
-switch, runs them as subprocesses in their own process groups (ending only those on timeout),
+The parent side (``arm_commands``, ``plan_text``, ``run_arms``, ``read_arm_series``, ``run_ab``,
+``gate_ab``, ``write_ab_report``, ``run_and_report``) builds the two commands from the spec, checks
+they differ only by the kernel switch, runs them as subprocesses in their own process groups (ending only those on timeout),
 reads the series back, gates them with ``pytest_rlk.e2e.gates`` and writes the suite's report.
 See docs/e2e-trl.md.
 """
@@ -50,12 +50,6 @@ from pytest_rlk.e2e.spec import ABSpec, ArmCommand, ArmRole, check_arms_differ_o
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"
 LOG_FILE = "arm.log"
-
-# TRL-lane metric names beyond the canonical ones (reported, never gated).
-PEAK_RSS = "peak_rss_mib"
-LOSS_TIME = "loss_time_s"
-OPTIMIZER_TIME = "optimizer_time_s"
-ENTROPY = "entropy"
 
 TINY_PREFIX = "tiny:"
 SYNTHETIC_TASK = "synthetic:repeat"
@@ -162,6 +156,32 @@ def _arm_environment(command: ArmCommand, repo_root: Path) -> dict[str, str]:
     env.update(command.env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH", "")]))
     return env
+
+
+def plan_text(spec_path: Path, out_dir: Path, *, repo_root: Path) -> str:
+    """Both arms' exact subprocess commands (a dry run of ``run_ab``), as shell lines.
+
+    Each arm runs in ``repo_root`` with the parent's environment minus any kernel-switch or
+    perturbation variables, plus the lines' variables and ``PYTHONPATH`` led by ``repo_root``.
+    """
+    import shlex
+
+    spec = load_spec(spec_path)
+    commands = arm_commands(spec_path, out_dir)
+    lines = [
+        f"# A/B plan: {spec.case} (engine trl, {spec.purpose}): {spec.description}",
+        "# arms differ only by the kernel switch: env "
+        + " ".join(f"{k}={v}" for k, v in spec.kernel_switch.env.items())
+        + (" " + shlex.join(spec.kernel_switch.args) if spec.kernel_switch.args else "")
+        + " (and each arm's --arm/--out)",
+        f"# each arm: cwd {repo_root}, the caller's environment without {', '.join(_SCRUBBED_ENV_PREFIXES)}*, "
+        f"timeout {spec.timeouts.job_s} s",
+    ]
+    for role, cmd in commands.items():
+        env = {**cmd.full_env, "PYTHONPATH": str(repo_root)}
+        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+        lines += [f"# {role} arm {cmd.label!r}", f"cd {shlex.quote(str(repo_root))} && env {assignments} {shlex.join(cmd.argv)}"]
+    return "\n".join(lines)
 
 
 def _out_dir(command: ArmCommand) -> Path:
@@ -327,8 +347,6 @@ def write_ab_report(run: TrlAbRun, verdict, out_dir: Path, *, repo_root: Path, k
         f"({kernel_info['patched_calls'].get('lm_head_logp', 0)} calls, "
         f"{kernel_info['patched_calls'].get('tokens', 0)} tokens); fallback counts "
         f"{kernel_info['fallback_counts'] or 'none'}.",
-        "Only TRL's per-token log-probs go through our kernels (kernels.logp); TRL's GRPO loss, ratio and "
-        "KL are computed inline by TRL in both arms.",
         "train_rollout_logprob_abs_diff: mean over samples of the masked token mean of |log-prob used by "
         "the loss - log-prob of the plain HF forward (what generation samples from)| at the rollout's "
         "weights; log-prob space.",
@@ -367,6 +385,36 @@ def write_ab_report(run: TrlAbRun, verdict, out_dir: Path, *, repo_root: Path, k
     return write_report(out_dir, inputs)
 
 
+@dataclass(frozen=True)
+class TrlAbResult:
+    """``run_and_report``'s outcome: the run, its pair verdict and the report's paths."""
+
+    run: TrlAbRun
+    verdict: Any  # gates.PairVerdict
+    report: Any  # report.ReportPaths
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.passed
+
+
+def run_and_report(spec_path: Path, out_dir: Path, *, repo_root: Path) -> TrlAbResult:
+    """``rlk e2e run`` for a TRL spec: both arms, the live-lane gate, the report in ``out_dir/report``
+    and ``out_dir/ab_result.json``. An arm that fails raises ``RuntimeError`` naming it and its log."""
+    from pytest_rlk.e2e.gates import pair_verdict
+
+    run = run_ab(spec_path, out_dir, repo_root=repo_root)
+    lane = gate_ab(run)
+    report = write_ab_report(run, lane, out_dir / "report", repo_root=repo_root)
+    verdict = pair_verdict([lane])
+    (out_dir / "ab_result.json").write_text(json.dumps({
+        "case": run.spec.case, "platform": run.spec.hardware.platform, "passed": verdict.passed,
+        "lanes": {lane.lane: {"verdict": lane.verdict, "failures": lane.failures()}},
+        "report": str(report.markdown), "wall_s": run.wall_s,
+    }, indent=1))
+    return TrlAbResult(run, verdict, report)
+
+
 # --------------------------------------------------------------------------------------------
 # Child side: the training run.
 # --------------------------------------------------------------------------------------------
@@ -387,7 +435,7 @@ def _peak_memory_mib(device: str) -> tuple[str, float]:
         return m.PEAK_VRAM, torch.cuda.max_memory_allocated() / 2**20
     import resource
 
-    return PEAK_RSS, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return m.PEAK_RSS, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _hardware(device: str) -> str:
@@ -458,7 +506,7 @@ def _build_trainer_class():
             start = time.perf_counter()
             loss = super()._compute_loss(model, inputs)
             self._sync()
-            self._rlk_add(LOSS_TIME, time.perf_counter() - start)
+            self._rlk_add(m.LOSS_TIME, time.perf_counter() - start)
             return loss
 
         def _generate_and_score_completions(self, inputs):
@@ -535,13 +583,13 @@ def _build_callback(trainer_ref: list, settings: TrlSettings, metrics_path: Path
                 m.RAW_REWARD: float(logs["reward"]),
                 m.LOSS: float(logs["loss"]),
                 m.GRAD_NORM: float(logs["grad_norm"]),
-                ENTROPY: float(logs["entropy"]),
+                m.ENTROPY: float(logs["entropy"]),
                 m.RESPONSE_LENGTH: float(logs["completions/mean_length"]),
                 m.STEP_TIME: self.step_time,
                 m.ROLLOUT_TIME: step.get(m.ROLLOUT_TIME, 0.0),
                 m.ACTOR_TRAIN_TIME: self.step_time - prepare,
-                LOSS_TIME: step.get(LOSS_TIME, 0.0),
-                OPTIMIZER_TIME: self.opt_time,
+                m.LOSS_TIME: step.get(m.LOSS_TIME, 0.0),
+                m.OPTIMIZER_TIME: self.opt_time,
                 m.TOKENS_PER_GPU_PER_S: step.get("_tokens", 0.0) / self.step_time,
                 memory_name: memory_value,
                 m.FALLBACK_COUNT: float(sum(kernels_module.fallback_counts().values())),
