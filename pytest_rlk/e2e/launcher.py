@@ -99,33 +99,51 @@ def session_pids(session_id: int) -> list[int]:
     return found
 
 
-def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0) -> list[int]:
+def _wait_session_empty(leader: subprocess.Popen, sid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if leader.poll() is not None and not session_pids(sid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0, leader_first_s: float = 0.0) -> list[int]:
     """End every process of the session `leader` started (it was started with
     start_new_session=True, so the session id is its pid): SIGTERM, wait, SIGKILL. Returns the
-    pids that were signalled. Touches nothing outside that session."""
+    pids that were signalled. Touches nothing outside that session.
+
+    `leader_first_s` > 0: SIGTERM the leader alone first and give it that long to end its own
+    children in order (`ray start --block` does: ~6 s, where SIGTERM to every Ray process at once
+    leaves the raylet respawning agents and waiting on the dead GCS for 30 s and more); whatever is
+    left then gets the SIGTERM / `grace_s` / SIGKILL sequence.
+    """
     sid = leader.pid
-    signalled = sorted(set(session_pids(sid)) | ({sid} if leader.poll() is None else set()))
-    for pid in signalled:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        leader.poll()
-        if not session_pids(sid) and leader.poll() is not None:
-            break
-        time.sleep(0.2)
-    for pid in session_pids(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signalled: set[int] = set()
+    if leader_first_s > 0 and leader.poll() is None:
+        signalled.add(sid)
+        _signal([sid], signal.SIGTERM)
+        if _wait_session_empty(leader, sid, leader_first_s):
+            leader.wait()
+            return sorted(signalled)
+    rest = sorted(set(session_pids(sid)) | ({sid} if leader.poll() is None else set()))
+    signalled.update(rest)
+    _signal(rest, signal.SIGTERM)
+    _wait_session_empty(leader, sid, grace_s)
+    _signal(session_pids(sid), signal.SIGKILL)
     try:
         leader.wait(timeout=10)
     except subprocess.TimeoutExpired as exc:
         raise LaunchError(f"pid {sid} survived SIGKILL") from exc
-    return signalled
+    return sorted(signalled)
 
 
 @dataclass(frozen=True)
@@ -221,8 +239,9 @@ class RayHead:
         )
 
     def stop(self, grace_s: float = 40.0) -> list[int]:
-        """End the head's session (gcs, raylet, dashboard, workers, job drivers)."""
-        return end_session(self.process, grace_s=grace_s)
+        """End the head's session (gcs, raylet, dashboard, workers, job drivers): `ray start
+        --block` is asked first (it stops its processes in order), then whatever is left."""
+        return end_session(self.process, grace_s=grace_s, leader_first_s=20.0)
 
 
 @dataclass

@@ -101,6 +101,8 @@ def test_cli_run_and_exit_codes(vime_root, tmp_path, capsys):
     assert rlk_main(args) == 1
     assert rlk_main(["e2e", "run", str(spec_path), "--vime-root", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+    assert rlk_main(["e2e", "run", str(spec_path)]) == 2
+    assert "engine 'vime' needs --vime-root" in capsys.readouterr().err
 
 
 def test_pinned_vime_commit_must_match_the_checkout(vime_root, tmp_path):

@@ -134,6 +134,40 @@ def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk
 
 
 # ------------------------------------------------------------------------------------------
+# `rlk e2e run` hands TRL specs to this engine (a 3-rollout copy of the dense CPU spec).
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_cli_run_of_a_trl_spec_runs_both_arms_gates_and_reports(tmp_path, capsys):
+    from pytest_rlk.cli import main as rlk_main
+
+    spec_path = _spec_with(tmp_path, **{"case": "trl-cli-short", "hyperparameters.num_rollout": 3,
+                                        "window.skip_warmup_rollouts": 1, "trl.num_prompts": 32})
+    out = tmp_path / "run"
+    assert rlk_main(["e2e", "run", str(spec_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "A/B trl-cli-short on cpu: PASS" in printed and f"report: {out / 'report' / 'report.md'}" in printed
+    result = json.loads((out / "ab_result.json").read_text())
+    assert result["passed"] and result["lanes"]["live"]["failures"] == []
+    base, kern = (trl_engine.read_arm_series(out / role) for role in ("baseline", "kernels"))
+    assert len(base[m.RAW_REWARD]) == len(kern[m.RAW_REWARD]) == 3
+    info = trl_engine.read_run_info(out / "kernels")
+    assert info["kernels_installed"] and info["patched_calls"]["lm_head_logp"] > 0 and info["fallback_counts"] == {}
+    assert not trl_engine.read_run_info(out / "baseline")["kernels_installed"]
+    report = (out / "report" / "report.md").read_text()
+    assert "only TRL's per-token log-probs" in report and "| peak_rss_mib | MiB | max |" in report
+
+
+def test_cli_run_of_a_trl_spec_refuses_vime_only_options(capsys):
+    from pytest_rlk.cli import main as rlk_main
+
+    assert rlk_main(["e2e", "run", DENSE_CPU.stem, "--vime-root", "/v", "--mode", "local"]) == 2
+    assert "engine 'trl' does not take --vime-root, --mode" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
 # MoE on CPU (slow) and the larger GPU config (records the h100 baseline).
 # ------------------------------------------------------------------------------------------
 

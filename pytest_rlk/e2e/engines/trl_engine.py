@@ -174,7 +174,7 @@ def plan_text(spec_path: Path, out_dir: Path, *, repo_root: Path) -> str:
         + " ".join(f"{k}={v}" for k, v in spec.kernel_switch.env.items())
         + (" " + shlex.join(spec.kernel_switch.args) if spec.kernel_switch.args else "")
         + " (and each arm's --arm/--out)",
-        f"# each arm: cwd {repo_root}, the caller's environment without {', '.join(_SCRUBBED_ENV_PREFIXES)}*, "
+        f"# each arm: cwd {repo_root}, the caller's environment without {', '.join(p + '*' for p in _SCRUBBED_ENV_PREFIXES)}, "
         f"timeout {spec.timeouts.job_s} s",
     ]
     for role, cmd in commands.items():
