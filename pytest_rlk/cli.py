@@ -1,5 +1,8 @@
 """The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge`` (+ extension commands).
 
+``rlk diff RUN --a-tag backend=X --b-tag backend=Y`` compares two tag selections of one run
+(``pytest_rlk.tag_diff``).
+
 Exit codes: 0 clean, 1 a regression (or an improvement under --fail-on-improvement, or a
 missing baseline under --require-baselines), 2 usage error or an unreadable/corrupt file.
 
@@ -20,6 +23,7 @@ from pytest_rlk.options import OptionError, parse_refresh_rel
 from pytest_rlk.schema import GateResult, RunRecord
 from pytest_rlk.session import merge_run
 from pytest_rlk.table import diff_table
+from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors
 
 EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli")
 
@@ -71,7 +75,15 @@ def _verdict_counts(results: list[GateResult]) -> str:
 def cmd_diff(args: argparse.Namespace) -> int:
     refresh_rel = parse_refresh_rel(args.refresh_rel)
     new_path, new = _load_run(args.runs[0], args.artifacts)
-    if len(args.runs) == 2:
+    if args.a_tag or args.b_tag:
+        if len(args.runs) != 1:
+            raise OptionError("--a-tag/--b-tag compare two tag selections of ONE run: give one RUN")
+        a = parse_selectors(args.a_tag or [], "--a-tag")
+        b = parse_selectors(args.b_tag or [], "--b-tag")
+        results = diff_tag_selections(new, a, b, refresh_rel=refresh_rel)
+        print(f"run {new_path} ({new.status}): A = {_selector_text(a)}, B = {_selector_text(b)}; "
+              "paired by metric and the other tags (A is the reference)")
+    elif len(args.runs) == 2:
         b_path, b = _load_run(args.runs[1], args.artifacts)
         results = diff_runs(new, b, refresh_rel=refresh_rel)
         print(f"A/B: A = {new_path} ({new.status}), B = {b_path} ({b.status})")
@@ -83,6 +95,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     print(_verdict_counts(results))
     return _exit_code(results, fail_on_improvement=args.fail_on_improvement,
                       require_baselines=args.require_baselines)
+
+
+def _selector_text(selector: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector.items())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -127,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="flag values better than baseline by more than max(X*|ref|, abs_floor)")
     diff.add_argument("--fail-on-improvement", action="store_true", help="exit 1 on 'refresh the baseline' too")
     diff.add_argument("--require-baselines", action="store_true", help="exit 1 when a baseline is missing")
+    diff.add_argument("--a-tag", action="append", metavar="KEY=VALUE",
+                      help="with --b-tag: compare two tag selections of ONE run (e.g. backend=rlk-triton "
+                           "vs backend=rl_engine), paired by metric and the other tags; repeatable")
+    diff.add_argument("--b-tag", action="append", metavar="KEY=VALUE", help="the B side (see --a-tag)")
     diff.set_defaults(func=cmd_diff)
 
     report = sub.add_parser("report", help="write report.md and PNG plots for a run")

@@ -98,6 +98,15 @@ def detect(override: str | None = None) -> PlatformInfo:
             cuda=cuda_version,
             devices=devices,
         )
-    if override:
-        info = info.model_copy(update={"tag": override})
-    return info
+    return with_override(info, override)
+
+
+def with_override(info: PlatformInfo, tag: str | None) -> PlatformInfo:
+    """``--rlk-platform TAG``: replace the tag; ``cpu`` also hides the GPUs from the marker
+    checks (``gpu``, ``gpus(n)``, ``gpu_mem(gb)``), so a GPU machine told it is a CPU one selects
+    and skips exactly as a CPU machine does. ``detected_tag`` keeps what was found."""
+    if not tag:
+        return info
+    if tag == "cpu":
+        return PlatformInfo(tag="cpu", detected_tag=info.detected_tag, driver=info.driver, cuda=info.cuda)
+    return info.model_copy(update={"tag": tag})

@@ -17,6 +17,7 @@ from pytest_rlk import hookspec, markers, options, storage
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
+from pytest_rlk.failures import report_failure
 from pytest_rlk.gate import GateSettings, gate_test
 from pytest_rlk.manifest import build_manifest, new_run_id
 from pytest_rlk.recorder import MetricRecorder, case_from_nodeid
@@ -59,7 +60,7 @@ def pytest_addoption(parser):
     group.addoption("--rlk-baselines", metavar="DIR", default=None, help="baseline directory (default: baselines/ under rootdir)")
     group.addoption("--rlk-update-baselines", metavar="failed|all", default=None, help="failed: rewrite failing baselines (the tests still fail); all: rewrite every baseline touched (passes)")
     group.addoption("--rlk-require-baselines", action="store_true", default=False, help="a missing baseline fails the test (nightly mode)")
-    group.addoption("--rlk-platform", metavar="TAG", default=None, help="override the detected platform tag (h100, h200, a100, gb200, other-gpu, cpu)")
+    group.addoption("--rlk-platform", metavar="TAG", default=None, help="override the detected platform tag (h100, h200, a100, gb200, other-gpu, cpu); cpu also hides the GPUs from the marker checks")
     group.addoption("--rlk-vime-root", metavar="PATH", default=None, help="a vime checkout (its commit is recorded; enables vime tests)")
     group.addoption("--rlk-model-root", metavar="DIR", default=None, help="directory holding model checkpoints for the model markers")
     group.addoption("--rlk-refresh-rel", metavar="X", default=None, help="flag a value better than its baseline by more than max(X*|ref|, abs_floor) as 'refresh the baseline' (default: the metric's band)")
@@ -79,8 +80,7 @@ def pytest_configure(config):
         plat = PlatformInfo.model_validate_json(workerinput["rlk_platform"])
     else:
         plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
-        if opts.platform_override:
-            plat = plat.model_copy(update={"tag": opts.platform_override})
+        plat = rlk_platform.with_override(plat, opts.platform_override)
     state = RlkState(opts=opts, platform=plat, worker=workerinput["workerid"] if workerinput else None)
     if workerinput and workerinput.get("rlk_run_dir"):
         state.run_dir = Path(workerinput["rlk_run_dir"])
@@ -210,12 +210,13 @@ def rlk_metrics(request) -> MetricRecorder:
     return recorder
 
 
-def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str | None = None) -> TestRecord:
+def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str | None = None,
+                 failure: str | None = None) -> TestRecord:
     state = item.config.stash[STATE]
     recorder = item.stash.get(RECORDER, None)
     record = TestRecord(nodeid=item.nodeid, case=recorder.case if recorder else case_from_nodeid(item.nodeid),
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
-                        skip_reason=skip_reason, unserved=UNSERVED in item.stash,
+                        skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
                         worker=state.worker or "main")
     if recorder is not None:
         record.metrics = list(recorder.metrics.values())
@@ -285,6 +286,7 @@ def _record_from_phases(item, phases: dict) -> TestRecord:
     setup, call, teardown = phases.get("setup"), phases.get("call"), phases.get("teardown")
     duration = sum(r.duration for r in phases.values())
     skip_reason = None
+    failure = "\n".join(m for m in (report_failure(r) for r in phases.values()) if m) or None
     if setup is not None and setup.failed or teardown is not None and teardown.failed:
         outcome = "error"
     elif call is not None and call.failed:
@@ -296,7 +298,7 @@ def _record_from_phases(item, phases: dict) -> TestRecord:
         skip_reason = skip_reason.removeprefix("Skipped: ")
     else:
         outcome = "passed"
-    return _test_record(item, outcome, duration=duration, skip_reason=skip_reason)
+    return _test_record(item, outcome, duration=duration, skip_reason=skip_reason, failure=failure)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -41,6 +41,12 @@ def render(run: RunRecord, images: list[Path] | None, out_dir: Path) -> str:
     gate_rows = [comparison_row(c, f"{t.case}/") for t in run.tests if t.gate for c in t.gate.comparisons]
     if gate_rows:
         lines += ["## Gate", ""] + md_table(DIFF_HEADERS, gate_rows) + [""]
+    failed = [t for t in run.tests if t.outcome in ("failed", "error")]
+    if failed:
+        lines += ["## Failed", ""]
+        for t in failed:
+            message = (t.failure or "(no message recorded)").splitlines()
+            lines += [f"- `{t.nodeid}` ({t.outcome})", "", "  ```", *(f"  {m}" for m in message), "  ```", ""]
     skipped = [t for t in run.tests if t.outcome == "skipped"]
     if skipped:
         lines += ["## Skipped", ""] + [f"- `{t.nodeid}`: {t.skip_reason}" for t in skipped] + [""]

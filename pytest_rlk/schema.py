@@ -182,6 +182,9 @@ class TestRecord(_Strict):
     outcome: Outcome
     duration_s: float = 0.0
     skip_reason: str | None = None
+    # failed/error: pytest's crash line + the last lines of the long report (pytest_rlk.failures);
+    # optional, so run files written before it still validate (schema_version stays 1)
+    failure: str | None = None
     unserved: bool = False  # skipped because this machine cannot serve its markers
     worker: str = "main"
     metrics: list[MetricRecord] = Field(default_factory=list)

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 
 from pytest_rlk.schema import GateResult, MetricComparison, RunRecord, Verdict
 
 DIFF_HEADERS = ("metric", "baseline", "new", "delta", "band", "verdict")
+SLOWEST_AFTER_S = 60.0  # sessions longer than this list their slowest tests (CI budgeting)
+SLOWEST_COUNT = 5
 
 
 def fmt(value: float | None) -> str:
@@ -72,6 +75,25 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
         lines += [f"  {p}" for p in written]
     if run.fallback_counts:
         lines.append("kernel fallbacks: " + ", ".join(f"{op}={n}" for op, n in sorted(run.fallback_counts.items())))
+    lines += slowest_lines(run)
     lines.append(f"run status: {run.status}; artifacts: {run_dir}")
     lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")
     return lines
+
+
+def run_elapsed_s(run: RunRecord) -> float | None:
+    """Wall time from the run's start to its end (None while it has no end)."""
+    if run.finished_utc is None:
+        return None
+    parse = lambda text: datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return (parse(run.finished_utc) - parse(run.manifest.created_utc)).total_seconds()
+
+
+def slowest_lines(run: RunRecord, *, after_s: float = SLOWEST_AFTER_S, count: int = SLOWEST_COUNT) -> list[str]:
+    """The ``count`` slowest tests (setup + call + teardown) when the run took over ``after_s``."""
+    elapsed = run_elapsed_s(run)
+    if elapsed is None or elapsed <= after_s or not run.tests:
+        return []
+    slowest = sorted(run.tests, key=lambda t: t.duration_s, reverse=True)[:count]
+    return [f"slowest {len(slowest)} tests (session {elapsed:.0f} s):"] + [
+        f"  {t.duration_s:7.1f} s  {t.nodeid}" for t in slowest]

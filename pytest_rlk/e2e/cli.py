@@ -78,10 +78,11 @@ def _run_trl(path: Path, spec: ABSpec, args: argparse.Namespace, out: Path) -> i
         return _fail("run", f"{spec.case}: engine 'trl' does not take {', '.join(given)} (vime-only options)", 2)
     try:
         trl_engine.TrlArmConfig.from_spec(spec, where=str(path))
-        result = trl_engine.run_and_report(path.resolve(), out.resolve(), repo_root=REPO_ROOT)
     except ValueError as exc:
         return _fail("run", str(exc), 2)
-    except RuntimeError as exc:  # an arm failed or timed out; its log is named in the message
+    try:
+        result = trl_engine.run_and_report(path.resolve(), out.resolve(), repo_root=REPO_ROOT)
+    except (RuntimeError, OSError, ValueError) as exc:  # an arm failed, timed out or wrote no metrics
         return _fail("run", f"{spec.case}: {exc}; artifacts kept in {out}", 1)
     print(result.verdict.summary())
     print(f"report: {result.report.markdown}")

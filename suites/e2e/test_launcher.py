@@ -1,6 +1,6 @@
 """Launcher: free loopback ports, local and Ray modes, timeouts, crashes, teardown of its own
 processes only. Real subprocesses (the stand-in train.py) and, where ray[default] is installed,
-a real Ray head on loopback."""
+a real Ray head on loopback (~45 s on 2 cores: head start, two jobs, ~3 s orderly teardown)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,6 @@ def _listening(port: int) -> list[str]:
     return found
 
 
-@pytest.mark.slow
 def test_real_ray_head_on_loopback_runs_the_standin_job_and_tears_down(tmp_path, bystander):
     reason = _ray_jobs_reason()
     if reason:

@@ -1,9 +1,10 @@
 """TRL lane: a real GRPOTrainer A/B (baseline vs our kernels in TRL's log-prob path).
 
 The CPU case trains a tiny random-init Qwen3 for 16 GRPO steps per arm, runs the two arms plus a
-test-only perturbed kernel arm concurrently (one thread each; ~3.5 min on 2 busy cores), and checks:
-the A/B gate passes, the perturbed arm fails it, the report has its plots and reproducibility notes,
-and the kernels really ran (patched calls > 0, strict mode, no fallback). The MoE case is `slow`;
+test-only perturbed kernel arm of 5 steps concurrently (one thread each; 65-90 s on 2 cores), and
+checks: the A/B gate passes, the perturbed arm fails it, the report has its plots and
+reproducibility notes, and the kernels really ran (patched calls > 0, strict mode, no fallback).
+The MoE case (55-70 s) runs through `rlk e2e run`, proving the CLI hands TRL specs to this engine;
 the GPU case (larger model, bf16) records the h100 baseline of the kernel arm's metrics.
 
 Fast checks of the integration itself (patch/unpatch, parity with TRL's own fused LM head, the
@@ -134,54 +135,29 @@ def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk
 
 
 # ------------------------------------------------------------------------------------------
-# `rlk e2e run` hands TRL specs to this engine (a 3-rollout copy of the dense CPU spec).
+# MoE on CPU through `rlk e2e run`, and the larger GPU config (records the h100 baseline).
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.cpu
-@pytest.mark.tiny
-def test_cli_run_of_a_trl_spec_runs_both_arms_gates_and_reports(tmp_path, capsys):
-    from pytest_rlk.cli import main as rlk_main
-
-    spec_path = _spec_with(tmp_path, **{"case": "trl-cli-short", "hyperparameters.num_rollout": 3,
-                                        "window.skip_warmup_rollouts": 1, "trl.num_prompts": 32})
-    out = tmp_path / "run"
-    assert rlk_main(["e2e", "run", str(spec_path), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "A/B trl-cli-short on cpu: PASS" in printed and f"report: {out / 'report' / 'report.md'}" in printed
-    result = json.loads((out / "ab_result.json").read_text())
-    assert result["passed"] and result["lanes"]["live"]["failures"] == []
-    base, kern = (trl_engine.read_arm_series(out / role) for role in ("baseline", "kernels"))
-    assert len(base[m.RAW_REWARD]) == len(kern[m.RAW_REWARD]) == 3
-    info = trl_engine.read_run_info(out / "kernels")
-    assert info["kernels_installed"] and info["patched_calls"]["lm_head_logp"] > 0 and info["fallback_counts"] == {}
-    assert not trl_engine.read_run_info(out / "baseline")["kernels_installed"]
-    report = (out / "report" / "report.md").read_text()
-    assert "only TRL's per-token log-probs" in report and "| peak_rss_mib | MiB | max |" in report
-
-
-def test_cli_run_of_a_trl_spec_refuses_vime_only_options(capsys):
-    from pytest_rlk.cli import main as rlk_main
-
-    assert rlk_main(["e2e", "run", DENSE_CPU.stem, "--vime-root", "/v", "--mode", "local"]) == 2
-    assert "engine 'trl' does not take --vime-root, --mode" in capsys.readouterr().err
-
-
-# ------------------------------------------------------------------------------------------
-# MoE on CPU (slow) and the larger GPU config (records the h100 baseline).
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
 @pytest.mark.cpu
 @pytest.mark.tiny
 @pytest.mark.moe
-def test_trl_cpu_ab_moe_gate_passes(tmp_path, rlk_metrics):
-    run = trl_engine.run_ab(MOE_CPU, tmp_path, repo_root=REPO_ROOT)
+def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys):
+    """`rlk e2e run <shipped MoE case>`: the CLI hands the TRL spec to this engine end to end."""
+    from pytest_rlk.cli import main as rlk_main
+
+    out = tmp_path / "run"
+    assert rlk_main(["e2e", "run", MOE_CPU.stem, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"A/B {MOE_CPU.stem} on cpu: PASS" in printed and f"report: {out / 'report' / 'report.md'}" in printed
+    assert json.loads((out / "ab_result.json").read_text())["passed"]
+    run = trl_engine.load_ab_run(MOE_CPU, out)
     verdict = trl_engine.gate_ab(run)
     _record_arm_metrics(rlk_metrics, run, gate_speed=False)
     assert verdict.passed, verdict.failures()
     _assert_real_kernel_arm(run)
+    report = (out / "report" / "report.md").read_text()
+    assert "only TRL's per-token log-probs" in report and "| peak_rss_mib | MiB | max |" in report
 
 
 @pytest.mark.h100
@@ -284,6 +260,26 @@ def test_perturbation_is_refused_without_the_allow_switch(monkeypatch):
     monkeypatch.setenv(integration.PERTURB_ENV, "lots")
     with pytest.raises(ValueError, match="RLK_TEST_PERTURB_LOGP='lots' is not a number"):
         integration.test_perturbation_bias()
+
+
+def test_rlk_e2e_run_of_a_trl_spec_refuses_vime_only_options(capsys):
+    from pytest_rlk.cli import main as rlk_main
+
+    assert rlk_main(["e2e", "run", DENSE_CPU.stem, "--vime-root", "/v", "--mode", "local"]) == 2
+    assert "engine 'trl' does not take --vime-root, --mode" in capsys.readouterr().err
+
+
+def test_rlk_e2e_run_of_a_trl_spec_fails_clearly_when_an_arm_dies(tmp_path, capsys):
+    """Both arms die at model load (no checkpoint there): exit 1, the arm and its log named."""
+    from pytest_rlk.cli import main as rlk_main
+
+    spec_path = _spec_with(tmp_path, **{"model.hf_checkpoint": str(tmp_path / "no-model")})
+    out = tmp_path / "run"
+    assert rlk_main(["e2e", "run", str(spec_path), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "rlk e2e run: FAILED: trl-qwen3-tiny-dense-cpu:" in err and "trl arm exited with 1" in err
+    assert str(out / "baseline" / trl_engine.LOG_FILE) in err and "no config.json there" in err
+    assert not (out / "ab_result.json").exists()
 
 
 def test_reward_is_verifiable():

@@ -6,8 +6,9 @@ Peers timed in the same process: eager (bf16 matmul + fp32 log-softmax), TRL's
 log-prob where importable. Times: ``pytest_rlk.timing.bench`` (CUDA events, L2 flushed, median);
 memory: ``peak_extra_memory`` minus the gradients the call returns.
 
-Acceptance (issue 8): forward no slower than TRL's; forward+backward <= 0.85x TRL's; <= 256 MB of
-workspace beyond the inputs and returned gradients; logp within 1e-4 of the fp32-upcast reference
+Speed is recorded, never asserted here: issue 8's goals (forward no slower than TRL's,
+forward+backward <= 0.85x TRL's) are read from the artifacts and gated by baselines. Asserted:
+<= 256 MB of workspace beyond the inputs and returned gradients; logp within 1e-4 of the fp32-upcast reference
 and gradients within 2e-2 (max |err| / max |ref|) of it cast to bf16.
 """
 
@@ -22,12 +23,11 @@ import torch
 from kernels import tolerances
 from kernels.ops.linear_logp import BWD_MATMUL_ENV, linear_logp
 from kernels.reference.linear_logp import fp32_logits
-from pytest_rlk.timing import bench, peak_extra_memory
+from pytest_rlk.timing import peak_extra_memory
+from rlk_bench import measure, record_limit
 
 T, H, V = 4096, 4096, 151936
 WORKSPACE_BUDGET_BYTES = 256 * 10**6
-FWD_RATIO_MAX = 1.0  # ours / TRL, forward
-FWDBWD_RATIO_MAX = 0.85  # ours / TRL, forward + backward
 CASE = f"linear_logp-bf16-T{T}-H{H}-V{V}"
 
 pytestmark = [pytest.mark.gpu]
@@ -131,38 +131,37 @@ def test_linear_logp_accuracy_and_workspace_at_issue_shape(issue_shape, rlk_metr
 
 @pytest.mark.bench
 def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch):
+    """Times and peak extra memory of ours and the peers, recorded through rlk_bench.measure for the
+    roofline table; no timed asserts (speed goals are gated by baselines in the artifacts).
+
+    HBM limit: forward reads hidden and weight once and writes T fp32 log-probs; forward+backward
+    reads them twice and writes dhidden and dweight. The op is matmul-bound (2*T*H*V flops per
+    matmul), so its fraction of the HBM limit is far below 1 by nature: it is recorded to compare
+    implementations, not as a target."""
     hidden, weight, ids, upstream = issue_shape
     rlk_metrics.set_case(CASE + "-speed")
+    operands = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+    passes = {"fwd": operands + T * 4, "fwd+bwd": 3 * operands}
     impls = _peers()
-    fwd_ms, fwdbwd_ms = {}, {}
+    measured: dict[tuple[str, str], float] = {}
     for name, impl in impls.items():
         monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "triton"))
 
         def forward(impl=impl):
-            return impl(hidden, weight, ids)
+            with torch.no_grad():
+                return impl(hidden, weight, ids)
 
         def forward_backward(impl=impl):
             torch.autograd.grad(impl(hidden, weight, ids), (hidden, weight), upstream)
 
-        fwd_ms[name] = bench(forward, device="cuda").median_ms
-        fwdbwd_ms[name] = bench(forward_backward, device="cuda").median_ms
-        extra = peak_extra_memory(forward_backward)
-        ours = name == "rlk"
-        rlk_metrics.record(f"fwd_ms_{name}", fwd_ms[name], unit="ms", direction="lower_is_better", space="time", gate=ours)
-        rlk_metrics.record(f"fwdbwd_ms_{name}", fwdbwd_ms[name], unit="ms", direction="lower_is_better",
-                           space="time", gate=ours)
-        rlk_metrics.record(f"fwdbwd_peak_extra_mb_{name}", extra / 1e6, unit="MB", direction="lower_is_better",
-                           space="memory", gate=False)
-    summary = ", ".join(f"{n}: fwd {fwd_ms[n]:.2f} ms, fwd+bwd {fwdbwd_ms[n]:.2f} ms" for n in impls)
-    print(f"\nlinear_logp {CASE} on {torch.cuda.get_device_name()}: {summary}")
+        for pass_name, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
+            tags = {"op": "linear_logp", "pass": pass_name, "dtype": "bf16", "shape": f"{T}x{H}x{V}"}
+            if name == "rlk":
+                record_limit(rlk_metrics, passes[pass_name], tags)
+            measured[name, pass_name] = measure(rlk_metrics, name, fn, passes[pass_name], tags)
+    summary = ", ".join(f"{n}: fwd {measured[n, 'fwd']:.2f} ms, fwd+bwd {measured[n, 'fwd+bwd']:.2f} ms" for n in impls)
     missing = sorted({"trl", "liger"} - set(impls))
-    if "trl" not in impls:
-        pytest.skip(f"trl.kernels.ChunkedLogProbFunction not importable (install the trl + datasets wheels); "
-                    f"measured {sorted(impls)}, missing {missing}: the TRL ratios cannot be checked")
-    # Acceptance on the default configuration; the cuBLAS-backward variant is recorded beside it.
-    fwd_ratio = fwd_ms["rlk"] / fwd_ms["trl"]
-    fwdbwd_ratio = fwdbwd_ms["rlk"] / fwdbwd_ms["trl"]
-    rlk_metrics.record("fwd_ratio_vs_trl", fwd_ratio, direction="lower_is_better", space="ratio")
-    rlk_metrics.record("fwdbwd_ratio_vs_trl", fwdbwd_ratio, direction="lower_is_better", space="ratio")
-    assert fwd_ratio <= FWD_RATIO_MAX, f"forward {fwd_ratio:.3f}x TRL's (max {FWD_RATIO_MAX}); {summary}"
-    assert fwdbwd_ratio <= FWDBWD_RATIO_MAX, f"forward+backward {fwdbwd_ratio:.3f}x TRL's (max {FWDBWD_RATIO_MAX}); {summary}"
+    print(f"\nlinear_logp {CASE} on {torch.cuda.get_device_name()}: {summary}; not importable: {missing or 'none'}")
+    assert {"rlk", "eager"} <= set(impls)
+    bad = {key: ms for key, ms in measured.items() if not 0.0 < ms < float("inf")}
+    assert not bad, f"non-positive or non-finite times: {bad}"

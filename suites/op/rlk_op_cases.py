@@ -26,12 +26,13 @@ def generator(seed: int) -> torch.Generator:
 
 
 def make_logits(num_tokens: int, vocab: int, dtype: torch.dtype, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
-    """Logits of a few units with a peaked row or two (like a trained LM), made on CPU then moved
-    so every device sees the same values."""
-    gen = generator(seed)
-    logits = torch.randn(num_tokens, vocab, generator=gen) * scale
+    """Logits of a few units with a peaked row or two (like a trained LM), drawn on DEVICE with a
+    seeded generator of that device (deterministic per device; the CPU's generator would spend
+    seconds per full [4096, 151936] case and a host-to-device copy of gigabytes)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = torch.randn(num_tokens, vocab, generator=gen, device=DEVICE) * scale
     logits[::3, 0] += 12.0  # a confident row: softmax mass concentrated on one id
-    return logits.to(device=DEVICE, dtype=dtype)
+    return logits.to(dtype)
 
 
 def make_ids(num_tokens: int, vocab: int, seed: int = 0, ignore_every: int = 0) -> torch.Tensor:
@@ -85,3 +86,20 @@ def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dic
     rlk_metrics.record(
         name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False
     )
+
+
+def loss_upstream_grad(
+    logits: torch.Tensor, target_ids: torch.Tensor, loss_kwargs: dict[str, torch.Tensor], config,
+    temperature: float = 1.0, grad_output: float = 1.0,
+) -> torch.Tensor:
+    """``grad_output * d loss / d logp`` [T] of the fp32 reference: the upstream gradient that
+    scales a loss's dlogits tolerance (kernels.tolerances.UPSTREAM_RULE). ``loss_kwargs``: the
+    loss inputs other than logits and ids (old/ref/rollout log-probs, advantages, mask, packing)."""
+    from kernels.reference import grpo_loss_from_logp, selected_logprob
+
+    with torch.no_grad():
+        logp = selected_logprob(logits.detach().float(), target_ids, temperature)
+    logp.requires_grad_()
+    loss, _ = grpo_loss_from_logp(logp, config=config, **loss_kwargs)
+    (grad,) = torch.autograd.grad(loss * grad_output, logp)
+    return grad

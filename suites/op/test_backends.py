@@ -28,7 +28,7 @@ import torch
 from kernels import backends, tolerances
 from kernels.reference import LossConfig, grpo_loss_from_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
-from rlk_op_cases import DEVICE, DTYPES, loss_inputs, make_ids, make_logits, record_error
+from rlk_op_cases import DEVICE, DTYPES, loss_inputs, loss_upstream_grad, make_ids, make_logits, record_error
 
 # test id -> backend name (built-in names: kernels/backends/__init__.py)
 DEFAULT_BACKENDS = {"rlk-triton": "rlk-triton", "liger": "liger", "rl_engine": "rl_engine"}
@@ -144,8 +144,11 @@ class CaseRun:
             self.skip(f"{self.backend.id}/{self.backend.version}: {reason}")
         return self.backend.get(self.op)
 
-    def compare(self, what: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype) -> None:
-        tol = tolerances.get(check, dtype)
+    def compare(
+        self, what: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype,
+        upstream: torch.Tensor | None = None,
+    ) -> None:
+        tol = tolerances.get(check, dtype, upstream=upstream)
         result = tolerances.closeness(actual, expected, tol)
         tags = {
             "backend": self.backend.id, "backend_version": self.backend.version, "op": self.op,
@@ -251,7 +254,7 @@ def test_logp(backend_name, case: LogpCase, rlk_metrics):
         grad_out = torch.randn(case.tokens, generator=torch.Generator().manual_seed(3)).to(DEVICE)
         out.backward(grad_out)
         expected.backward(grad_out)
-        run.compare("dlogits", leaf.grad, upcast.grad, "logp.grad", dtype)
+        run.compare("dlogits", leaf.grad, upcast.grad, "logp.grad", dtype, upstream=grad_out)
         run.time(lambda: impl(leaf, ids, case.temperature).backward(grad_out))
     else:
         with torch.no_grad():
@@ -374,7 +377,8 @@ def test_grpo_loss(backend_name, case: GrpoCase, rlk_metrics):
     _compare_loss(run, loss, metrics, expected_loss, expected_metrics, dtype)
     loss.backward()
     expected_loss.backward()
-    run.compare("dlogits", leaf.grad, upcast.grad, "grpo_loss.grad", dtype)
+    upstream = loss_upstream_grad(upcast, ids, inputs, case.config, case.temperature)
+    run.compare("dlogits", leaf.grad, upcast.grad, "grpo_loss.grad", dtype, upstream=upstream)
     run.time(lambda: impl(leaf, ids, **kwargs)[0].backward())
     run.finish()
 

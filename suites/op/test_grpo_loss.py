@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, record_error
+from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, loss_upstream_grad, record_error
 
 import kernels
 from kernels import LossConfig, tolerances
@@ -35,7 +35,15 @@ CONFIGS = {
 }
 
 
-def _run(fn, inputs, config, temperature, dtype, *, with_ref=True, grad_scale=1.5, **kw):
+GRAD_SCALE = 1.5
+
+
+def _loss_kwargs(inputs, with_ref=True):
+    skip = {"logits", "target_ids"} | (set() if with_ref else {"ref_logp"})
+    return {k: v for k, v in inputs.items() if k not in skip} | ({} if with_ref else {"ref_logp": None})
+
+
+def _run(fn, inputs, config, temperature, dtype, *, with_ref=True, grad_scale=GRAD_SCALE, **kw):
     logits = inputs["logits"].detach().clone()
     if dtype is not None:
         logits = logits.float()
@@ -63,7 +71,10 @@ def _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab
     err = tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss")
     for name in METRIC_NAMES:
         tolerances.assert_close(metrics[name], ref_metrics[name], "grpo_loss", dtype, name=name)
-    grad_err = tolerances.assert_close(grad, ref_grad, "grpo_loss.grad", dtype, name="dlogits")
+    upstream = loss_upstream_grad(
+        inputs["logits"], inputs["target_ids"], _loss_kwargs(inputs, with_ref), config, temperature, GRAD_SCALE
+    )
+    grad_err = tolerances.assert_close(grad, ref_grad, "grpo_loss.grad", dtype, name="dlogits", upstream=upstream)
     record_error(rlk_metrics, "loss_max_abs_err", err, tags)
     record_error(rlk_metrics, "dlogits_max_abs_err", grad_err, tags)
     return loss, metrics

@@ -46,7 +46,7 @@ def _parity(rlk_metrics, num_tokens: int, vocab: int, dtype_name: str, temperatu
     assert bool((out[ignored] == 0).all()) and bool((logits.grad[ignored] == 0).all())
     tags = {"op": "logp", "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}", "temperature": temperature}
     values = tolerances.assert_close(out, expected, "logp", dtype, name="logp")
-    grads = tolerances.assert_close(logits.grad, upcast.grad, "logp.grad", dtype, name="dlogits")
+    grads = tolerances.assert_close(logits.grad, upcast.grad, "logp.grad", dtype, name="dlogits", upstream=grad_out)
     record_error(rlk_metrics, "logp_max_abs_err", values, tags)
     record_error(rlk_metrics, "dlogits_max_abs_err", grads, tags)
     rlk_metrics.record_fallbacks(kernels.fallback_counts())

@@ -60,3 +60,18 @@ def test_nonfinite_actual_fails():
 def test_assert_close_message_names_input_and_source():
     with pytest.raises(AssertionError, match=r"dlogits \(fp32, cpu\).*exceeds atol 1e-06 \[issue 3 acceptance\]"):
         tolerances.assert_close(torch.tensor([1.0]), torch.tensor([1.1]), "logp.grad", torch.float32, "cpu", name="dlogits")
+
+
+def test_upstream_gradient_scales_gradient_atol_only():
+    base = tolerances.get("logp.grad", "fp32", "gpu")
+    g = torch.tensor([0.5, -3.0, 2.0])
+    assert tolerances.get("logp.grad", "fp32", "gpu", upstream=g).atol == pytest.approx(3.0 * base.atol)
+    assert tolerances.get("logp.grad", "fp32", "gpu", upstream=0.25).atol == base.atol  # max(1, .) never tightens
+    assert tolerances.get("logp.grad", "bf16", "gpu", upstream=g).ulp == 1  # ulp: relative, unscaled
+    with pytest.raises(ValueError, match="gradient checks only"):
+        tolerances.get("logp", "fp32", "gpu", upstream=g)
+    # an error of 2.5e-6 under an upstream gradient of magnitude 3 passes; under 1 it does not
+    expected, actual = torch.tensor([-1.6]), torch.tensor([-1.6 + 2.5e-6])
+    tolerances.assert_close(actual, expected, "logp.grad", torch.float32, "gpu", upstream=g)
+    with pytest.raises(AssertionError):
+        tolerances.assert_close(actual, expected, "logp.grad", torch.float32, "gpu")

@@ -4,15 +4,14 @@ from __future__ import annotations
 import os
 
 import pytest
-from rlk_plugin_testing import REPO_ROOT
+from rlk_plugin_testing import checkout_pythonpath
 
 
 @pytest.fixture
 def rlk_pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """A pytester whose runs (in-process and subprocess) load pytest_rlk from this checkout,
     whether or not the package is also pip-installed."""
-    old = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT) + (os.pathsep + old if old else ""))
+    monkeypatch.setenv("PYTHONPATH", checkout_pythonpath(os.environ.get("PYTHONPATH")))
     monkeypatch.delenv("VIME_RL_KERNEL_BACKEND", raising=False)
     pytester.makeconftest('pytest_plugins = ["pytest_rlk.plugin"]\n')
     return pytester

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from rlk_plugin_testing import REPO_ROOT, latest_run_dir
+from rlk_plugin_testing import checkout_pythonpath, latest_run_dir
 
 from pytest_rlk import cli
 
@@ -23,7 +23,7 @@ def test_gated(rlk_metrics):
 
 def rlk(*args: str, cwd) -> subprocess.CompletedProcess:
     """The console entry as a user runs it (`rlk ...` is `python -m pytest_rlk.cli ...`)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath(os.environ.get("PYTHONPATH"))}
     return subprocess.run([sys.executable, "-m", "pytest_rlk.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
 

@@ -8,7 +8,7 @@ import pytest
 
 from pytest_rlk import options
 from pytest_rlk.markers import ServeContext, marker_lines, tier_of, unserved_reason
-from pytest_rlk.platform import detect, tag_for
+from pytest_rlk.platform import detect, tag_for, with_override
 from pytest_rlk.recorder import MetricError, MetricRecorder, case_from_nodeid
 from pytest_rlk.schema import DeviceInfo, PlatformInfo
 from pytest_rlk.timing import bench, measure_hbm_bandwidth, peak_extra_memory
@@ -106,6 +106,16 @@ def test_detect_on_this_machine_and_override():
     assert (info.tag == "cpu") == (info.device_count == 0)
     forced = detect("h200")
     assert forced.tag == "h200" and forced.detected_tag == info.detected_tag
+
+
+def test_cpu_override_hides_the_gpus_other_overrides_keep_them():
+    as_cpu = with_override(H100, "cpu")
+    assert (as_cpu.tag, as_cpu.detected_tag, as_cpu.device_count, as_cpu.memory_bytes) == ("cpu", "h100", 0, 0)
+    assert as_cpu.describe() == "cpu, 0 GPUs"
+    assert unserved_reason([("gpu_mem", (80,))], ServeContext(platform=as_cpu)) == "needs 80 GB GPU memory (found 0)"
+    as_h200 = with_override(H100, "h200")
+    assert (as_h200.tag, as_h200.device_count, as_h200.memory_bytes) == ("h200", 1, H100.memory_bytes)
+    assert with_override(H100, None) is H100
 
 
 def test_recorder_validates_and_names_the_metric(tmp_path):

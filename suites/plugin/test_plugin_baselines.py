@@ -80,6 +80,7 @@ def test_regression_fails_the_test_not_teardown(gated, monkeypatch):
     report = latest_run(gated)
     failing = next(t for t in report.tests if t.case == "second-case")
     assert failing.outcome == "failed"  # the call phase failed, not teardown ("error")
+    assert "reward: regression: baseline 0.5, new 0.1" in failing.failure  # kept in the run file
 
 
 def test_update_failed_rewrites_only_failing_and_still_fails(gated, monkeypatch):

@@ -109,7 +109,11 @@ import os
 def test_a_records(rlk_metrics):
     rlk_metrics.record("kept", 2.0, direction="two_sided")
 
-def test_b_crashes():
+def test_b_fails():
+    worst = {"op": "logp", "max_abs_err": 0.25}
+    assert worst["max_abs_err"] < 1e-3, f"logp off by {worst['max_abs_err']}"
+
+def test_c_crashes():
     os._exit(3)
 """})
     result = rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider")
@@ -119,6 +123,16 @@ def test_b_crashes():
     assert cli.main(["merge", str(run_dir)]) == 0
     run = storage.load_run(run_dir / "run.json")
     assert run.status == "crashed" and run.tests[0].metrics[0].value == 2.0
+    # the run died, yet it says why test_b failed: the crash line first, then the source lines
+    failed = run.tests[1]
+    assert failed.outcome == "failed" and run.tests[0].failure is None
+    assert failed.failure.splitlines()[0] == "AssertionError: logp off by 0.25"
+    assert 'assert worst["max_abs_err"] < 1e-3' in failed.failure
+    assert cli.main(["report", str(run_dir), "--no-plots"]) == 0
+    report = (run_dir / "report" / "report.md").read_text()
+    failed_section = report.split("## Failed", 1)[1]
+    assert "`suites/op/test_crash.py::test_b_fails` (failed)" in failed_section
+    assert "AssertionError: logp off by 0.25" in failed_section
 
 
 def test_kernel_fallback_counts_are_recorded(rlk_pytester):

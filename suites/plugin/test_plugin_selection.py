@@ -117,6 +117,30 @@ def test_dash_m_h200_on_cpu_skips_and_exits_0(rlk_pytester):
     result.stdout.fnmatch_lines(["*needs an H200 (this machine: cpu, 0 GPUs)*"])
 
 
+H100_MACHINE = '''
+pytest_plugins = ["pytest_rlk.plugin"]
+from pytest_rlk.schema import PlatformInfo
+
+def pytest_rlk_platform(config):  # what detection reports on the lent H100
+    return PlatformInfo(tag="h100", detected_tag="h100", device_name="NVIDIA H100 80GB HBM3",
+                        device_count=1, memory_bytes=85_000_000_000, capability="9.0")
+'''
+
+
+def test_cpu_override_on_a_gpu_machine_skips_exactly_like_cpu(rlk_pytester):
+    """The two tests above pin --rlk-platform=cpu so they hold on the GPU machines too."""
+    rlk_pytester.makeconftest(H100_MACHINE)
+    rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=e2e", "--rlk-platform=cpu", "-rs")
+    result.assert_outcomes(passed=1, skipped=4)  # gpu_mem(80) is not served by a "cpu" platform
+    result.stdout.fnmatch_lines_random(["*needs an H200 (this machine: cpu, 0 GPUs)*",
+                                        "*needs 80 GB GPU memory (found 0)*"])
+    platform = latest_run(rlk_pytester).manifest.platform
+    assert (platform.tag, platform.detected_tag, platform.device_count) == ("cpu", "h100", 0)
+    served = rlk_pytester.runpytest("--rlk-tier=e2e", "-rs")  # no override: the H100 serves more
+    served.assert_outcomes(passed=2, skipped=3)
+
+
 def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
     """Documented choice: the plugin does not mask "no tests collected"."""
     rlk_pytester.makepyfile(**{"suites/e2e/test_plain": TEST_BODY.format(name="plain")})

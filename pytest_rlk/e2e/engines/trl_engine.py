@@ -21,7 +21,7 @@ other rollout engine). ``DIR/run_info.json`` records versions, the backend id, f
 and reasons, patched-call counts and settings.
 
 The parent side (``arm_commands``, ``plan_text``, ``run_arms``, ``read_arm_series``, ``run_ab``,
-``gate_ab``, ``write_ab_report``, ``run_and_report``) builds the two commands from the spec, checks
+``gate_ab``, ``write_ab_report``, ``run_and_report``, ``load_ab_run``) builds the two commands from the spec, checks
 they differ only by the kernel switch, runs them as subprocesses in their own process groups (ending only those on timeout),
 reads the series back, gates them with ``pytest_rlk.e2e.gates`` and writes the suite's report.
 See docs/e2e-trl.md.
@@ -398,6 +398,21 @@ class TrlAbResult:
         return self.verdict.passed
 
 
+def load_ab_run(spec_path: Path, out_dir: Path) -> TrlAbRun:
+    """A finished ``run_and_report`` (``rlk e2e run``) read back from ``out_dir``: the commands as
+    planned, each arm's series and run info, the wall time from ``ab_result.json``."""
+    result_path = Path(out_dir) / "ab_result.json"
+    if not result_path.exists():
+        raise FileNotFoundError(f"{result_path}: no A/B result (was {out_dir} written by `rlk e2e run`?)")
+    commands: dict[str, ArmCommand] = dict(arm_commands(spec_path, Path(out_dir)))
+    return TrlAbRun(
+        load_spec(spec_path), Path(spec_path), commands,
+        {key: read_arm_series(_out_dir(cmd)) for key, cmd in commands.items()},
+        {key: read_run_info(_out_dir(cmd)) for key, cmd in commands.items()},
+        json.loads(result_path.read_text())["wall_s"],
+    )
+
+
 def run_and_report(spec_path: Path, out_dir: Path, *, repo_root: Path) -> TrlAbResult:
     """``rlk e2e run`` for a TRL spec: both arms, the live-lane gate, the report in ``out_dir/report``
     and ``out_dir/ab_result.json``. An arm that fails raises ``RuntimeError`` naming it and its log."""
@@ -608,16 +623,24 @@ def _build_callback(trainer_ref: list, settings: TrlSettings, metrics_path: Path
     return RlkMetricsCallback()
 
 
+def _local_checkpoint(config: TrlArmConfig) -> Path | None:
+    """The spec's local HF checkpoint directory (checked), or None for a ``tiny:`` model."""
+    checkpoint = config.spec.model.hf_checkpoint
+    if checkpoint.startswith(TINY_PREFIX):
+        return None
+    path = Path(checkpoint)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.hf_checkpoint {checkpoint!r}: no config.json there")
+    return path
+
+
 def _model_dir(config: TrlArmConfig, out: Path) -> Path:
     from pytest_rlk.e2e.engines.tiny_models import TinyModelSize, build_tiny_model_dir
 
-    checkpoint = config.spec.model.hf_checkpoint
-    if not checkpoint.startswith(TINY_PREFIX):
-        path = Path(checkpoint)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.hf_checkpoint {checkpoint!r}: no config.json there")
-        return path
-    kind = checkpoint[len(TINY_PREFIX):]
+    local = _local_checkpoint(config)
+    if local is not None:
+        return local
+    kind = config.spec.model.hf_checkpoint[len(TINY_PREFIX):]
     size = TinyModelSize.from_dict(dict(config.settings.model_size))
     return build_tiny_model_dir(
         out / "model", kind, size, seed=config.spec.seeds.seed, extra_vocab=config.settings.extra_vocab
@@ -639,6 +662,7 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path, max_rollouts: int | N
     spec = load_spec(spec_path)
     config = TrlArmConfig.from_spec(spec, where=str(spec_path))
     _check_arm_env(arm, spec)
+    _local_checkpoint(config)  # a missing checkpoint fails before the heavy imports below
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 

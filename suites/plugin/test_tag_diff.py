@@ -1,0 +1,87 @@
+"""`rlk diff RUN --a-tag ... --b-tag ...`: two backends of one run, through a real pytester run
+that records the tags suites/op/test_backends.py records ({backend, backend_version, op, dtype, case})."""
+from __future__ import annotations
+
+import pytest
+from rlk_plugin_testing import latest_run, latest_run_dir
+
+from pytest_rlk import cli
+from pytest_rlk.options import OptionError
+from pytest_rlk.schema import Verdict
+from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors
+
+BACKENDS = """
+import pytest
+
+# (backend, version, op, case, max error); rl_engine is 3x worse on logp/T8, and has no grpo_loss
+ROWS = [
+    ("rlk-triton", "0.1.0", "logp", "T8", 1e-6),
+    ("rlk-triton", "0.1.0", "logp", "T64", 2e-6),
+    ("rlk-triton", "0.1.0", "grpo_loss", "T8", 5e-7),
+    ("rl_engine", "git-abc123", "logp", "T8", 3e-6),
+    ("rl_engine", "git-abc123", "logp", "T64", 2.1e-6),
+    ("rl_engine", "git-abc123", "ratio_kl", "T8", 4e-7),
+]
+
+@pytest.mark.parametrize("backend,version,op,case,err", ROWS)
+def test_op(rlk_metrics, backend, version, op, case, err):
+    rlk_metrics.set_case(f"backends.{op}.{case}.{backend}-{version}")
+    tags = {"backend": backend, "backend_version": version, "op": op, "dtype": "bf16", "case": case}
+    rlk_metrics.record("logp_max_abs_err", err, direction="lower_is_better", space="error",
+                       tags=tags, gate=False)
+"""
+
+
+@pytest.fixture
+def backends_run(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_backends_synthetic": BACKENDS})
+    rlk_pytester.runpytest().assert_outcomes(passed=6)
+    return rlk_pytester
+
+
+def test_two_backends_pair_by_the_other_tags(backends_run):
+    run = latest_run(backends_run)
+    results = diff_tag_selections(run, {"backend": "rlk-triton"}, {"backend": "rl_engine"})
+    by_case = {r.case: r.comparisons[0] for r in results}
+    assert sorted(by_case) == [
+        "case=T64,dtype=bf16,op=logp", "case=T8,dtype=bf16,op=grpo_loss",
+        "case=T8,dtype=bf16,op=logp", "case=T8,dtype=bf16,op=ratio_kl"]
+    t8 = by_case["case=T8,dtype=bf16,op=logp"]  # the error band (bands.py: rel 1.0) is exceeded
+    assert (t8.baseline, t8.new, t8.verdict) == (1e-6, 3e-6, Verdict.REGRESSION)
+    assert by_case["case=T64,dtype=bf16,op=logp"].verdict is Verdict.PASS
+    assert by_case["case=T8,dtype=bf16,op=grpo_loss"].verdict is Verdict.MISSING_METRIC  # only in A
+    assert by_case["case=T8,dtype=bf16,op=ratio_kl"].verdict is Verdict.NEW_METRIC  # only in B
+
+
+def test_cli_exit_codes_and_table(backends_run, capsys):
+    run_dir = str(latest_run_dir(backends_run))
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=rl_engine"]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("case=T8,dtype=bf16,op=logp/"))
+    assert row.split() == ["case=T8,dtype=bf16,op=logp/logp_max_abs_err", "1e-06", "3e-06", "2e-06", "1e-06",
+                           "regression"]
+    # narrowed to the case both serve equally well: clean
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--a-tag", "case=T64",
+                     "--b-tag", "backend=rl_engine", "--b-tag", "case=T64"]) == 0
+    assert "1 pass" in capsys.readouterr().out
+    # B as the reference: rlk-triton's T8 is 3x better, within the error band (rel 1.0 of 3e-6)
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rl_engine", "--b-tag", "backend=rlk-triton"]) == 1
+    assert "1 missing_metric, 1 new_metric, 2 pass" in capsys.readouterr().out  # ratio_kl only in A now
+
+
+def test_bad_selectors_are_usage_errors(backends_run, capsys):
+    run_dir = str(latest_run_dir(backends_run))
+    assert cli.main(["diff", run_dir, "--a-tag", "backend"]) == 2
+    assert "--a-tag 'backend': expected KEY=VALUE" in capsys.readouterr().err
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rl_engine"]) == 2
+    assert "give both" in capsys.readouterr().err
+    assert cli.main(["diff", run_dir, run_dir, "--a-tag", "backend=a", "--b-tag", "backend=b"]) == 2
+    with pytest.raises(OptionError, match="given twice"):
+        parse_selectors(["backend=a", "backend=b"], "--a-tag")
+    # without the case tag, two logp metrics of one backend share name and tags: an error naming both
+    run = latest_run(backends_run)
+    for test in run.tests:
+        for metric in test.metrics:
+            del metric.tags["case"]
+    with pytest.raises(OptionError, match=r"side A: metric 'logp_max_abs_err' .* both .*T8.*T64"):
+        diff_tag_selections(run, {"backend": "rlk-triton"}, {"backend": "rl_engine"})
