@@ -71,7 +71,8 @@ def test_scope_statement_is_per_engine_and_claims_no_moe_kernel_or_r3_replacemen
     trl_series = {**inputs.arms[0].series, m.PEAK_RSS: [900.0, 950.0], m.LOSS_TIME: [0.1, 0.2],
                   m.OPTIMIZER_TIME: [0.01, 0.02], m.ENTROPY: [2.0, 1.9]}
     arms = [ArmRun(a.role, a.label, a.lane, trl_series, a.command) for a in inputs.arms]
-    text = write_report(tmp_path, ReportInputs(**{**inputs.__dict__, "engine": "trl", "arms": arms})).markdown.read_text()
+    trl_inputs = ReportInputs(**{**inputs.__dict__, "engine": "trl", "arms": arms})
+    text = write_report(tmp_path, trl_inputs).markdown.read_text()
     assert trl in text and vime not in text
     for row in ("| peak_rss_mib | MiB | max |", "| loss_time_s | s | median |", "| optimizer_time_s | s | median |",
                 "| entropy (not compared) | nat/token | mean |"):

@@ -18,6 +18,7 @@ from pytest_rlk.e2e.spec import (
 SPEC_PATHS = matrix_spec_paths()
 VIME_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "vime"]
 TRL_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "trl"]
+RUN_DIR = vime_engine.RUN_DIR_PLACEHOLDER  # the plan's stand-in for the run directory
 MATRIX_CASES = {
     "qwen3-4b-a100-grpo-gsm8k", "qwen3-30b-a3b-h200-grpo-dapo", "qwen3-30b-a3b-r3-h200-grpo-dapo",
     "glm45-air-h200-grpo-dapo", "qwen3-0.6b-2gpu-smoke-gsm8k",
@@ -91,8 +92,10 @@ def test_trl_plan_prints_both_arms_identical_except_the_kernel_switch(path, caps
     switch = list(spec.kernel_switch.args)
     k_rest = k_argv[: len(k_argv) - len(switch)]
     assert k_argv[len(k_rest):] == switch
-    assert k_rest == [{"baseline": "kernels"}.get(a, a) for a in b_argv[:-1]] + [b_argv[-1][: -len("baseline")] + "kernels"]
-    assert b_argv[b_argv.index("--arm") + 1] == "baseline" and b_argv[-1].endswith("/baseline")
+    # argv ends with `--arm ROLE --out RUN/ROLE`; everything else is identical
+    assert b_argv[-4:] == ["--arm", "baseline", "--out", f"{RUN_DIR}/baseline"]
+    assert k_rest[-4:] == ["--arm", "kernels", "--out", f"{RUN_DIR}/kernels"]
+    assert k_rest[:-4] == b_argv[:-4]
     assert b_env.get("TRITON_INTERPRET") == ("1" if spec.hardware.platform == "cpu" else None)
 
 

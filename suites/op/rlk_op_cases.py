@@ -103,3 +103,9 @@ def loss_upstream_grad(
     loss, _ = grpo_loss_from_logp(logp, config=config, **loss_kwargs)
     (grad,) = torch.autograd.grad(loss * grad_output, logp)
     return grad
+
+
+def summed_terms(config, loss_mask: torch.Tensor) -> int | None:
+    """Tokens a per-token-sum loss adds up (kernels.tolerances.SUMMED_TERMS_RULE); None for the
+    per-sample mean the table's loss tolerances are stated for."""
+    return int(loss_mask.sum()) if config.reduction == "per_token_sum" else None

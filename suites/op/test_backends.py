@@ -28,7 +28,7 @@ import torch
 from kernels import backends, tolerances
 from kernels.reference import LossConfig, grpo_loss_from_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
-from rlk_op_cases import DEVICE, DTYPES, loss_inputs, loss_upstream_grad, make_ids, make_logits, record_error
+from rlk_op_cases import DEVICE, DTYPES, loss_inputs, loss_upstream_grad, make_ids, make_logits, record_error, summed_terms
 
 # test id -> backend name (built-in names: kernels/backends/__init__.py)
 DEFAULT_BACKENDS = {"rlk-triton": "rlk-triton", "liger": "liger", "rl_engine": "rl_engine"}
@@ -146,9 +146,9 @@ class CaseRun:
 
     def compare(
         self, what: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype,
-        upstream: torch.Tensor | None = None,
+        upstream: torch.Tensor | None = None, terms: int | None = None,
     ) -> None:
-        tol = tolerances.get(check, dtype, upstream=upstream)
+        tol = tolerances.get(check, dtype, upstream=upstream, terms=terms)
         result = tolerances.closeness(actual, expected, tol)
         tags = {
             "backend": self.backend.id, "backend_version": self.backend.version, "op": self.op,
@@ -347,14 +347,16 @@ GRPO_CASES = [
 ]
 
 
-def _compare_loss(run: CaseRun, loss, metrics, expected_loss, expected_metrics, dtype: torch.dtype) -> None:
+def _compare_loss(
+    run: CaseRun, loss, metrics, expected_loss, expected_metrics, dtype: torch.dtype, terms: int | None
+) -> None:
     assert loss.dim() == 0, f"loss must be 0-dim, got shape {tuple(loss.shape)}"
     unknown = set(metrics) - set(expected_metrics)
     assert not unknown, f"{run.backend.id} returned metrics outside the contract: {sorted(unknown)}"
     assert "pg_loss" in metrics, f"{run.backend.id} returned no pg_loss (got {sorted(metrics)})"
-    run.compare("loss", loss, expected_loss, "grpo_loss", dtype)
+    run.compare("loss", loss, expected_loss, "grpo_loss", dtype, terms=terms)
     for name in sorted(metrics):
-        run.compare(name, metrics[name], expected_metrics[name], "grpo_loss", dtype)
+        run.compare(name, metrics[name], expected_metrics[name], "grpo_loss", dtype, terms=terms)
 
 
 @pytest.mark.parametrize("case", GRPO_CASES)
@@ -374,7 +376,8 @@ def test_grpo_loss(backend_name, case: GrpoCase, rlk_metrics):
     expected_loss, expected_metrics = backends.get_backend("reference").get("grpo_loss")(upcast, ids, **kwargs)
     leaf = logits.detach().clone().requires_grad_()
     loss, metrics = impl(leaf, ids, **kwargs)
-    _compare_loss(run, loss, metrics, expected_loss, expected_metrics, dtype)
+    terms = summed_terms(case.config, inputs["loss_mask"])
+    _compare_loss(run, loss, metrics, expected_loss, expected_metrics, dtype, terms)
     loss.backward()
     expected_loss.backward()
     upstream = loss_upstream_grad(upcast, ids, inputs, case.config, case.temperature)
@@ -482,7 +485,8 @@ def test_linear_grpo_loss(backend_name, case: LinearCase, rlk_metrics):
     expected_loss, expected_metrics = grpo_loss_from_logp(policy_logp, **kwargs)
     h, w, b = _leaves(hidden, weight, bias)
     loss, metrics = impl(h, w, ids, b, **kwargs)
-    _compare_loss(run, loss, metrics, expected_loss, expected_metrics, dtype)
+    terms = summed_terms(case.config, kwargs["loss_mask"])
+    _compare_loss(run, loss, metrics, expected_loss, expected_metrics, dtype, terms)
     loss.backward()
     expected_loss.backward()
     run.compare("dhidden", h.grad, h_ref.grad, "linear_logp.grad", dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, loss_upstream_grad, record_error
+from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, loss_upstream_grad, record_error, summed_terms
 
 import kernels
 from kernels import LossConfig, tolerances
@@ -68,9 +68,10 @@ def _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab
     assert set(metrics) == set(METRIC_NAMES)
     tags = {"op": "grpo_loss", "dtype": dtype_name, "config": config_name, "temperature": temperature,
             "shape": f"{num_tokens}x{vocab}"}
-    err = tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss")
+    terms = summed_terms(config, inputs["loss_mask"])
+    err = tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss", terms=terms)
     for name in METRIC_NAMES:
-        tolerances.assert_close(metrics[name], ref_metrics[name], "grpo_loss", dtype, name=name)
+        tolerances.assert_close(metrics[name], ref_metrics[name], "grpo_loss", dtype, name=name, terms=terms)
     upstream = loss_upstream_grad(
         inputs["logits"], inputs["target_ids"], _loss_kwargs(inputs, with_ref), config, temperature, GRAD_SCALE
     )

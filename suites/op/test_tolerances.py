@@ -75,3 +75,11 @@ def test_upstream_gradient_scales_gradient_atol_only():
     tolerances.assert_close(actual, expected, "logp.grad", torch.float32, "gpu", upstream=g)
     with pytest.raises(AssertionError):
         tolerances.assert_close(actual, expected, "logp.grad", torch.float32, "gpu")
+
+
+def test_summed_terms_scale_value_atol_by_sqrt():
+    base = tolerances.get("grpo_loss", "fp32", "gpu")
+    assert tolerances.get("grpo_loss", "fp32", "gpu", terms=3072).atol == pytest.approx(base.atol * 3072**0.5)
+    assert tolerances.get("grpo_loss", "fp32", "gpu", terms=0).atol == base.atol
+    with pytest.raises(ValueError, match="value checks only"):
+        tolerances.get("grpo_loss.grad", "fp32", "gpu", terms=10)

@@ -21,9 +21,10 @@ other rollout engine). ``DIR/run_info.json`` records versions, the backend id, f
 and reasons, patched-call counts and settings.
 
 The parent side (``arm_commands``, ``plan_text``, ``run_arms``, ``read_arm_series``, ``run_ab``,
-``gate_ab``, ``write_ab_report``, ``run_and_report``, ``load_ab_run``) builds the two commands from the spec, checks
-they differ only by the kernel switch, runs them as subprocesses in their own process groups (ending only those on timeout),
-reads the series back, gates them with ``pytest_rlk.e2e.gates`` and writes the suite's report.
+``gate_ab``, ``write_ab_report``, ``run_and_report``, ``load_ab_run``) builds the two commands from
+the spec, checks they differ only by the kernel switch, runs them as subprocesses in their own
+process groups (ending only those on timeout), reads the series back, gates them with
+``pytest_rlk.e2e.gates`` and writes the suite's report.
 See docs/e2e-trl.md.
 """
 
@@ -174,13 +175,15 @@ def plan_text(spec_path: Path, out_dir: Path, *, repo_root: Path) -> str:
         + " ".join(f"{k}={v}" for k, v in spec.kernel_switch.env.items())
         + (" " + shlex.join(spec.kernel_switch.args) if spec.kernel_switch.args else "")
         + " (and each arm's --arm/--out)",
-        f"# each arm: cwd {repo_root}, the caller's environment without {', '.join(p + '*' for p in _SCRUBBED_ENV_PREFIXES)}, "
+        f"# each arm: cwd {repo_root}, the caller's environment without "
+        f"{', '.join(p + '*' for p in _SCRUBBED_ENV_PREFIXES)}, "
         f"timeout {spec.timeouts.job_s} s",
     ]
     for role, cmd in commands.items():
         env = {**cmd.full_env, "PYTHONPATH": str(repo_root)}
         assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-        lines += [f"# {role} arm {cmd.label!r}", f"cd {shlex.quote(str(repo_root))} && env {assignments} {shlex.join(cmd.argv)}"]
+        lines += [f"# {role} arm {cmd.label!r}",
+                  f"cd {shlex.quote(str(repo_root))} && env {assignments} {shlex.join(cmd.argv)}"]
     return "\n".join(lines)
 
 
