@@ -130,7 +130,8 @@ def test_linear_logp_accuracy_and_workspace_at_issue_shape(issue_shape, rlk_metr
 
 
 @pytest.mark.bench
-def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch):
+@pytest.mark.parametrize("pass_name", ["fwd", "fwd+bwd"])
+def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch, pass_name):
     """Times and peak extra memory of ours and the peers, recorded through rlk_bench.measure for the
     roofline table; no timed asserts (speed goals are gated by baselines in the artifacts).
 
@@ -139,11 +140,13 @@ def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch):
     matmul), so its fraction of the HBM limit is far below 1 by nature: it is recorded to compare
     implementations, not as a target."""
     hidden, weight, ids, upstream = issue_shape
-    rlk_metrics.set_case(CASE + "-speed")
+    rlk_metrics.set_case(f"{CASE}-speed-{pass_name}")
     operands = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    passes = {"fwd": operands + T * 4, "fwd+bwd": 3 * operands}
+    bytes_moved = operands + T * 4 if pass_name == "fwd" else 3 * operands
+    tags = {"op": "linear_logp", "pass": pass_name, "dtype": "bf16", "shape": f"{T}x{H}x{V}"}
+    record_limit(rlk_metrics, bytes_moved, tags)
     impls = _peers()
-    measured: dict[tuple[str, str], float] = {}
+    measured: dict[str, float] = {}
     for name, impl in impls.items():
         monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "triton"))
 
@@ -154,14 +157,12 @@ def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch):
         def forward_backward(impl=impl):
             torch.autograd.grad(impl(hidden, weight, ids), (hidden, weight), upstream)
 
-        for pass_name, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
-            tags = {"op": "linear_logp", "pass": pass_name, "dtype": "bf16", "shape": f"{T}x{H}x{V}"}
-            if name == "rlk":
-                record_limit(rlk_metrics, passes[pass_name], tags)
-            measured[name, pass_name] = measure(rlk_metrics, name, fn, passes[pass_name], tags)
-    summary = ", ".join(f"{n}: fwd {measured[n, 'fwd']:.2f} ms, fwd+bwd {measured[n, 'fwd+bwd']:.2f} ms" for n in impls)
+        fn = forward if pass_name == "fwd" else forward_backward
+        measured[name] = measure(rlk_metrics, name, fn, bytes_moved, tags)
+    summary = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in measured.items())
     missing = sorted({"trl", "liger"} - set(impls))
-    print(f"\nlinear_logp {CASE} on {torch.cuda.get_device_name()}: {summary}; not importable: {missing or 'none'}")
+    print(f"\nlinear_logp {pass_name} {CASE} on {torch.cuda.get_device_name()}: {summary}; "
+          f"not importable: {missing or 'none'}")
     assert {"rlk", "eager"} <= set(impls)
-    bad = {key: ms for key, ms in measured.items() if not 0.0 < ms < float("inf")}
+    bad = {name: ms for name, ms in measured.items() if not 0.0 < ms < float("inf")}
     assert not bad, f"non-positive or non-finite times: {bad}"

@@ -83,3 +83,10 @@ def test_summed_terms_scale_value_atol_by_sqrt():
     assert tolerances.get("grpo_loss", "fp32", "gpu", terms=0).atol == base.atol
     with pytest.raises(ValueError, match="value checks only"):
         tolerances.get("grpo_loss.grad", "fp32", "gpu", terms=10)
+
+
+def test_loss_gradient_atol_adds_the_logp_error_carried_by_its_upstream_gradient():
+    grad, logp = tolerances.get("grpo_loss.grad", "fp32", "gpu"), tolerances.get("logp", "fp32", "gpu")
+    assert tolerances.get("grpo_loss.grad", "fp32", "gpu", upstream=9.0).atol == pytest.approx(9 * (grad.atol + logp.atol))
+    assert tolerances.get("grpo_loss.grad", "fp32", "gpu", upstream=0.1).atol == pytest.approx(grad.atol + 0.1 * logp.atol)
+    assert tolerances.get("grpo_loss.grad", "bf16", "gpu", upstream=9.0).ulp == 1
