@@ -27,6 +27,10 @@ def test_stop_before_start_and_bad_interval_are_errors():
 @pytest.mark.gpu
 def test_peak_follows_an_allocation_on_gpu():
     torch = pytest.importorskip("torch")
+    # Earlier tests in the same process leave blocks in torch's caching allocator; a 1 GiB tensor
+    # would be served from that cache and NVML would see no change. Return the cache first.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     poller = NvmlPeakPoller(devices=[torch.cuda.current_device()], interval_s=0.05).start()
     before = dict(poller.peak_mib)
     block = torch.empty(1024 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # 1 GiB
