@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform as py_platform
 import secrets
 import subprocess
@@ -77,10 +78,23 @@ def kernel_fallback_counts() -> dict[str, int]:
     return {str(k): int(v) for k, v in counts().items()} if callable(counts) else {}
 
 
+SUITE_COMMIT_ENV = "RLK_SUITE_COMMIT"
+
+
+def suite_state(root: Path) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of this suite. A tree copied without ``.git`` (a lent GPU machine, a
+    container image) cannot know its commit: whoever copied it can say it in ``RLK_SUITE_COMMIT``
+    (dirty is then unknown, None). A real checkout always wins over the variable."""
+    commit, dirty = git_state(root)
+    if commit is None and dirty is None:
+        commit = os.environ.get(SUITE_COMMIT_ENV, "").strip() or None
+    return commit, dirty
+
+
 def build_manifest(*, run_id: str, argv: list[str], tiers: list[str], platform: PlatformInfo,
                    suite_root: Path, vime_root: Path | None,
                    backend_option: str | None) -> RunManifest:
-    commit, dirty = git_state(suite_root)
+    commit, dirty = suite_state(suite_root)
     vime_commit = git_state(vime_root)[0] if vime_root is not None else None
     return RunManifest(
         run_id=run_id, created_utc=utc_now(), argv=list(argv), tiers=list(tiers),
