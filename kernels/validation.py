@@ -9,7 +9,8 @@ Policies (stated once, here):
 * **Ignore index.** A target id equal to ``ignore_index`` (default ``-100``, the value vime and
   Hugging Face use) is allowed: that row's log-prob is ``0`` and its gradient is ``0``. Any other
   id outside ``[0, V)`` is an error naming ``target_ids``. The range check reads the ids (one
-  device sync); ``VIME_RL_KERNEL_CHECK_IDS=0`` skips it for host-overhead benchmarks only.
+  device sync), as do the checks of device-resident ``lengths`` / ``cu_seqlens`` (non-negative,
+  summing to T); ``VIME_RL_KERNEL_CHECK_IDS=0`` skips these for host-overhead benchmarks only.
 * **Empty inputs.** ``T == 0`` or ``V == 0`` is an error (``"... is empty"``): there is no
   meaningful log-prob or loss of nothing, and vime never produces one.
 * **All-zero masks.** Allowed. A sample whose mask is all zero contributes exactly ``0`` to
@@ -48,6 +49,12 @@ def _compiling() -> bool:
 
 def ids_check_enabled() -> bool:
     return _env_flag("VIME_RL_KERNEL_CHECK_IDS", True) and not _compiling()
+
+
+def _reads_device_data(x: torch.Tensor) -> bool:
+    """Whether to run a check that reads ``x``'s values: always for CPU tensors (free); for device
+    tensors (a host sync) unless ``VIME_RL_KERNEL_CHECK_IDS=0``."""
+    return x.device.type == "cpu" or ids_check_enabled()
 
 
 def finite_check_enabled() -> bool:
@@ -156,14 +163,19 @@ def check_lengths(
         check_tensor(lengths, "lengths")
         if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
             raise ValueError(f"lengths must be a 1-D integer tensor [B], got {lengths.dtype} {tuple(lengths.shape)}")
-        if bool((lengths < 0).any()):
-            raise ValueError("lengths has negative entries")
-        if int(lengths.sum()) != num_tokens:
-            raise ValueError(f"lengths sum to {int(lengths.sum())} but there are {num_tokens} tokens")
+        if _reads_device_data(lengths):
+            # one host read for both checks
+            negatives, total = torch.stack([(lengths < 0).sum(), lengths.sum()]).tolist()
+            if negatives:
+                raise ValueError("lengths has negative entries")
+            if total != num_tokens:
+                raise ValueError(f"lengths sum to {total} but there are {num_tokens} tokens")
     if cu_seqlens is not None:
         check_tensor(cu_seqlens, "cu_seqlens")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if not _reads_device_data(cu_seqlens):
+            return
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens:
             raise ValueError(f"cu_seqlens must start at 0 and end at T={num_tokens}, got {cu_seqlens[0]}..{cu_seqlens[-1]}")
         if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):

@@ -1,4 +1,4 @@
-"""vime's GRPO loss straight from logits: one fused Triton pass per row + autograd.
+"""vime's GRPO loss straight from logits: a per-row statistics + loss kernel, a dlogits kernel.
 
 ``grpo_loss(logits [T, V], target_ids [T], *, old_logp, ref_logp, advantages, loss_mask,
 lengths|cu_seqlens, config, temperature, rollout_logp, tp_group, inplace_backward)
@@ -8,23 +8,22 @@ kernels/reference/grpo_loss.py.
 Fused path (single device, token-level ratio): every token's share of the loss is known before
 the logits are read, because the reduction weights come from the mask alone
 (``w_t = m_t / max(sum of m over t's sample, 1)`` for ``sum_of_sample_mean``, ``w_t = m_t`` for
-``per_token_sum``; reference ``token_weights``). So one program per row
-  1. sweeps the row once (online max / sum-exp) -> ``logp``;
-  2. computes the token's pg, clip flag, KL and ``c = dL/dlogp = w (dpg/dlogp + kl_coef dkl/dlogp)``
-     in registers;
-  3. sweeps the row again (the second read may hit L2) writing ``dlogits = c (onehot - softmax) / T``
-     in the logits dtype.
-Forward+backward thus reads the logits once from HBM (plus the L2-resident re-read) and writes
-dlogits once; no [T, V] intermediate besides dlogits itself. The backward returns the saved
-dlogits when ``grad_output`` is 1, scales them in place when that is exact enough (fp32 logits,
-or a power-of-two grad_output), and otherwise (16-bit logits, e.g. a 1/3 microbatch scale)
-recomputes them from the logits with the scaled per-row coefficients saved by the forward (one
-more sweep), keeping dlogits within one ulp. When logits do not require grad, step 3 is
-skipped (a pure one-pass forward).
+``per_token_sum``; reference ``token_weights``). So
+  forward:  one program per row sweeps the row once (online max / sum-exp) -> ``logp``, and computes
+            the token's pg, clip flag, KL and ``c = dL/dlogp = w (dpg/dlogp + kl_coef dkl/dlogp)``
+            in registers; [7, T] fp32 out (the four metric terms, c, row max, sum-exp);
+  backward: the ``logp`` backward kernel writes ``dlogits = g c (onehot - softmax) / T`` in the
+            logits dtype, with ``g`` (grad_output) folded into ``c`` before the single rounding.
+Forward+backward reads the logits twice and writes dlogits once, with no [T, V] intermediate
+besides dlogits itself; both kernels run at ~97-100% of HBM bandwidth on an H100. The issue's limit
+counts one read: reaching it needs the row on chip between the two sweeps, and the forms tried
+to get there (one program sweeping its row twice hoping for L2 hits; rows split over programs
+that wait for each other's chunk statistics) were slower on an H100: docs/performance-notes.md.
 
-``inplace_backward=True`` (opt-in) writes dlogits into the logits buffer during the forward:
+``inplace_backward=True`` (opt-in) writes dlogits into the logits buffer during the backward:
 no extra [T, V] memory, but the logits' values are destroyed — use it only when nothing reads
-the logits after this call (the returned gradient aliases the logits storage).
+the logits after the backward (the returned gradient aliases the logits storage; a second
+backward through the same graph raises).
 
 Composed path (GSPO, whose ratio needs the whole sample's logp first, and vocab-parallel TP):
 the Triton ``logp`` op (kernels/ops/logp.py) followed by the reference loss math on [T] tensors;
@@ -33,15 +32,13 @@ its backward is the logp backward kernel. Same values, one more read of the logi
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from kernels import validation
-from kernels.ops.logp import LogpFunction, launch_logp_backward, row_max_sumexp, row_target, row_write_grad, vocab_block
+from kernels.ops.logp import LogpFunction, launch_logp_backward, row_max_sumexp, row_target, vocab_block
 from kernels.ops.ratio_kl import kl_type_code, kl_value_and_grad
 from kernels.reference.grpo_loss import METRIC_NAMES, check_loss_inputs, grpo_loss_from_logp
 from kernels.reference.loss_config import LossConfig
@@ -83,10 +80,10 @@ def token_pg_and_grad(
 
 @triton.jit
 def _grpo_loss_kernel(
-    logits_ptr, grad_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, weight_ptr, per_token_ptr,
-    stride_row, stride_grad_row, num_tokens, vocab, ignore_index, temperature,
+    logits_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, weight_ptr, per_token_ptr,
+    stride_row, num_tokens, vocab, ignore_index, temperature,
     eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef,
-    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, WRITE_GRAD: tl.constexpr, HAS_REF: tl.constexpr,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, HAS_REF: tl.constexpr,
     KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr, DUAL_CLIP: tl.constexpr, TIS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -112,8 +109,8 @@ def _grpo_loss_kernel(
         ref = tl.load(ref_ptr + row).to(tl.float32)
         kl, dkl = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
     coef = tl.where(ignored, 0.0, weight * (dpg + kl_coef * dkl))
-    # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (weighted sums give the metrics), then what a
-    # backward with a non-unit grad_output needs to recompute dlogits: coef, row max, sum-exp
+    # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (weighted sums give the metrics), then what
+    # the backward needs to write dlogits: coef, row max, sum-exp
     tl.store(per_token_ptr + row, pg)
     tl.store(per_token_ptr + num_tokens + row, clipped)
     tl.store(per_token_ptr + 2 * num_tokens + row, old - logp)
@@ -121,78 +118,53 @@ def _grpo_loss_kernel(
     tl.store(per_token_ptr + 4 * num_tokens + row, coef)
     tl.store(per_token_ptr + 5 * num_tokens + row, m)
     tl.store(per_token_ptr + 6 * num_tokens + row, s)
-    if WRITE_GRAD:
-        row_write_grad(
-            row_ptr, grad_ptr + row * stride_grad_row, coef, m, s, target_id, vocab,
-            temperature, BLOCK_V, SCALE,
-        )
 
 
 class GrpoLossFunction(torch.autograd.Function):
-    """Forward runs the fused kernel (and writes dlogits); backward applies grad_output."""
+    """Forward: the per-row statistics and loss kernel; backward: the dlogits kernel."""
 
     @staticmethod
     def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, weights, config,
                 temperature, ignore_index, inplace):  # type: ignore[override]
         num_tokens, vocab = logits.shape
-        write_grad = ctx.needs_input_grad[0]
-        if write_grad:
-            grad = logits.detach() if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        else:
-            grad = logits  # never written: WRITE_GRAD is off
         per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
         block, warps = vocab_block(vocab, logits.dtype)
         has_ref = ref_logp is not None
         _grpo_loss_kernel[(num_tokens,)](
-            logits, grad, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
+            logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
             rollout_logp if config.use_tis else old_logp, weights, per_token,
-            logits.stride(0), grad.stride(0), num_tokens, vocab, ignore_index, float(temperature),
+            logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
             config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
             config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef,
-            BLOCK_V=block, SCALE=temperature != 1.0, WRITE_GRAD=write_grad, HAS_REF=has_ref,
+            BLOCK_V=block, SCALE=temperature != 1.0, HAS_REF=has_ref,
             KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
             DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
         )
         # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss (multiply + sum, not a matmul: TF32 must not apply)
         metrics = (per_token[:4] * weights).sum(dim=1)
         loss = metrics[0] + config.kl_loss_coef * metrics[3] if config.kl_loss_coef != 0.0 else metrics[0].clone()
-        ctx.grad_logits = grad if write_grad else None
         ctx.row_stats = per_token[4:]
         ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
-        # the logits are kept only to recompute dlogits for a non-unit grad_output (16-bit dtypes)
-        ctx.save_for_backward(None if inplace else logits, ids)
+        ctx.backward_done = False
+        # saving the logits costs no memory (the caller's graph holds them); the backward reads them once
+        ctx.save_for_backward(logits, ids)
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):  # type: ignore[override]
-        grad = ctx.grad_logits
-        ctx.grad_logits = None  # a second backward would need the forward again
-        if grad is None:
-            raise RuntimeError("grpo_loss backward ran twice, or logits did not require grad in forward")
-        scale = float(grad_loss)
-        if scale != 1.0:
-            if exact_in_place_scale(grad.dtype, scale) or ctx.inplace:
-                grad.mul_(scale)
-            else:
-                # scaling a rounded 16-bit dlogits would round twice (up to 1.5 ulp): recompute
-                # from the logits with the scaled per-row coefficient instead (one more sweep)
-                logits, ids = ctx.saved_tensors
-                coef, row_max, sumexp = ctx.row_stats
-                launch_logp_backward(
-                    logits, grad, ids, coef * scale, row_max, sumexp, ctx.temperature, ctx.ignore_index
-                )
+        if ctx.backward_done and ctx.inplace:
+            raise RuntimeError("grpo_loss backward ran twice with inplace_backward=True: the logits were "
+                               "overwritten by the first one")
+        ctx.backward_done = True
+        logits, ids = ctx.saved_tensors
+        coef, row_max, sumexp = ctx.row_stats
+        # grad_output folds into the per-row coefficient before the single rounding of each dlogit
+        # (exact for any scale, no host sync); [T] fp32 on the device
+        row_grad = coef * grad_loss.to(torch.float32)
+        grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        launch_logp_backward(logits, grad, ids, row_grad, row_max, sumexp, ctx.temperature, ctx.ignore_index)
         return grad, None, None, None, None, None, None, None, None, None, None
-
-
-def exact_in_place_scale(dtype: torch.dtype, scale: float) -> bool:
-    """Whether ``dlogits *= scale`` keeps dlogits within the tolerance: always for fp32 (one more
-    fp32 rounding), for 16-bit dtypes only when ``scale`` is a power of two (exact; e.g. the
-    1/num_microbatches of a power-of-two schedule)."""
-    if dtype == torch.float32:
-        return True
-    mantissa, _ = math.frexp(abs(scale))
-    return mantissa == 0.5
 
 
 def grpo_loss(

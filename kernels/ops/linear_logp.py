@@ -17,30 +17,43 @@ the global log-sum-exp. The gradient uses the global lse, so ``dW``/``db`` are t
 ``dH`` is all-reduced (SUM) over ``tp_group`` because the hidden states are replicated across the
 TP ranks (Megatron's ColumnParallelLinear input region does the same all-reduce in its backward).
 
-Forward (``_fwd_tile_kernel``): one program per (token tile, vocab tile); the logits tile is a
-``tl.dot`` over H (bf16/fp16 operands on tensor cores, fp32 accumulate; fp32 operands in full IEEE
-precision), bias and temperature applied in fp32, then the tile's row max and sum-exp go to a small
-``[n_vocab_tiles, T]`` fp32 buffer and the owning tile writes the target logit. A cross-tile merge
-(a few O(n_vocab_tiles * T) torch ops) gives the per-row lse, the only thing saved for backward.
-Program ids run token tile fastest, so the programs resident at one time share weight tiles in L2
-and the weight is read from HBM about once.
+Forward: every (token tile, vocab tile) of the logits is a ``tl.dot`` over H (bf16/fp16 operands on
+tensor cores, fp32 accumulate; fp32 operands in full IEEE precision), bias and temperature applied
+in fp32; the tile's row max and sum-exp go to a small ``[n_vocab_tiles, T]`` fp32 buffer and the
+owning tile writes the target logit. The logits tile never leaves registers and is never rounded.
+A cross-tile merge (a few O(n_vocab_tiles * T) torch ops) gives the per-row lse, the only thing
+saved for backward. Tiles run token tile fastest, so the programs resident at one time share
+weight tiles in L2 and the weight is read from HBM about once.
 
-Backward, per vocab chunk of at most ``BACKWARD_WORKSPACE_BYTES`` of dlogits:
-    ``_dlogits_kernel``   recomputes the logits tile (same fp32 math as the forward) and writes
+Two implementations of the tile work, same math and results:
+  ``_tma_tiles_kernel`` (bf16/fp16 on Hopper+, the default there): persistent, one program per SM
+      looping over tiles; operands arrive through host-side TMA descriptors (zero-filled past the
+      ends), the tile and K loops are flattened into one software pipeline so the next tile's loads
+      overlap this tile's epilogue. 128 x 256 x 64 tiles, 8 warps, 3 stages.
+  ``_fwd_tile_kernel`` / ``_dlogits_kernel``: one program per tile, pointer loads. fp32 inputs, the
+      CPU interpreter, pre-Hopper GPUs, unaligned operands and ``RLK_LINEAR_LOGP_TMA=0``.
+
+Backward, per vocab chunk of at most ``BACKWARD_WORKSPACE_BYTES`` (132 MiB) of dlogits, the chunk
+columns spread evenly over the fewest chunks:
+    dlogits kernel        recomputes the logits tile (same fp32 math as the forward) and writes
                           dlogits = g * (onehot - exp(z - lse)) / temperature into the chunk buffer
                           (input dtype: bf16/fp16 operands for the tensor-core matmuls; fp32 for fp32)
-    ``_matmul_kernel``    dH32 += dlogits_chunk @ W_chunk    (fp32 accumulator [T, H] across chunks)
-    ``_matmul_kernel``    dW_chunk = dlogits_chunk^T @ H      (fp32 accumulate over all T, one store)
+    cuBLAS addmm          dH32 += dlogits_chunk @ W_chunk (fp32 output: no bf16 rounding per chunk)
+    cuBLAS mm             dW_chunk = dlogits_chunk^T @ H  (fp32 accumulate over all T, one store)
     db_chunk = dlogits_chunk.sum(0) in fp32.
-Workspace beyond inputs and returned gradients: the chunk buffer (<= 96 MiB), dH32 (T*H*4 bytes,
-67 MB at 4096 x 4096), db32 and the forward's partials (2 * n_vocab_tiles * T * 4 bytes, 19.5 MB at
-T = 4096, V = 151936, bf16): about 188 MB (bf16) / 208 MB (fp32) at the issue's shape, inside the
-256 MB budget (``workspace_bytes`` computes it; a test checks it).
+(``RLK_LINEAR_LOGP_BWD_MATMUL=triton`` runs dH/dW in our ``_matmul_kernel`` instead.)
+Workspace beyond inputs and returned gradients: the chunk buffer (<= 132 MiB), dH32 (T*H*4 bytes,
+67 MB at 4096 x 4096), db32, and in the forward the partials (2 * n_vocab_tiles * T * 4 bytes,
+19.5 MB at T = 4096, V = 151936, bf16; freed before the backward): ``workspace_bytes`` adds them all
+up, 226 MB (bf16) / 245 MB (fp32) at the issue's shape, inside the 256 MB budget (a test checks it).
 
 GPU tuning knobs (environment, read at each call; defaults are the configs below):
 ``RLK_LINEAR_LOGP_TILES`` / ``RLK_LINEAR_LOGP_MATMUL_TILES`` = "BLOCK_T,BLOCK_V,BLOCK_K,warps,stages"
-for the logits-tile kernels / the backward matmuls; ``RLK_LINEAR_LOGP_BWD_MATMUL=torch`` runs the
-backward's dH/dW products in cuBLAS instead of our Triton matmul (see ``_bwd_matmul``).
+for the logits-tile kernels (TMA or pointer) / our backward matmul; ``RLK_LINEAR_LOGP_TMA=0`` uses
+the pointer kernels on Hopper too; ``RLK_LINEAR_LOGP_BWD_MATMUL=triton|torch`` picks the backward's
+dH/dW matmuls (default ``torch``, see ``_bwd_matmul``); ``RLK_LINEAR_LOGP_GROUP_T=N`` (token tiles
+per group in the TMA kernel's tile order) and ``RLK_LINEAR_LOGP_DLOGITS_LAYOUT=tc|ct`` (backward
+chunk as [T, chunk] or [chunk, T]) are alternatives that measured no faster on an H100.
 """
 
 from __future__ import annotations
@@ -53,11 +66,18 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (Triton >= 3.4); without them the pointer kernels run
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 from kernels import validation
 from kernels.ops import INTERPRETED  # fixed at first import, like triton.jit's choice
 
 # Bytes of dlogits held at once in backward; the vocab chunk is sized from it.
-BACKWARD_WORKSPACE_BYTES = 96 * 1024 * 1024
+# 132 MiB: at T = 4096, V = 151936 (bf16) nine chunks of 16896 columns, 66 vocab tiles x 32 token
+# tiles = 16 full waves of 132 SMs each, and GEMM shapes cuBLAS runs near its best.
+BACKWARD_WORKSPACE_BYTES = 132 * 1024 * 1024
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -96,10 +116,11 @@ BWD_MATMULS = ("triton", "torch")
 
 def _bwd_matmul() -> str:
     """Which matmuls the backward uses for dH and dW (read at each backward; GPU tuning knob):
-    ``triton`` (default): our kernels, fp32 accumulation over every chunk;
-    ``torch``: cuBLAS via torch.mm; dW identical in precision (fp32 accumulation over T inside one
-    GEMM), dH accumulates per-chunk partials rounded to the input dtype into the fp32 accumulator."""
-    value = os.environ.get(BWD_MATMUL_ENV, "").strip() or "triton"
+    ``torch`` (default): cuBLAS. dW_chunk = dlogits_chunk^T @ H accumulates over all T in fp32
+    inside one GEMM; dH32 += dlogits_chunk @ W_chunk is one ``addmm`` with an fp32 output
+    (``out_dtype=torch.float32``), so the chunk's product is never rounded to bf16 before the sum.
+    ``triton``: our pointer-based matmul kernel, the same fp32 accumulation (slower on H100)."""
+    value = os.environ.get(BWD_MATMUL_ENV, "").strip() or "torch"
     if value not in BWD_MATMULS:
         raise ValueError(f"{BWD_MATMUL_ENV}={value!r}: expected one of {BWD_MATMULS}")
     return value
@@ -144,6 +165,62 @@ def _upcast_operands(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 
 
+TMA_ENV = "RLK_LINEAR_LOGP_TMA"
+# Persistent TMA kernel options (module attributes, for probes). Measured on an H100 (bf16, issue
+# shape, Triton 3.6): flattening the tile and K loops into one pipeline 7.6 ms vs 8.2 ms without;
+# Triton's automatic warp specialization 7.7 ms (kept off); num_ctas=2 does not compile.
+TMA_FLATTEN = True
+TMA_WARP_SPECIALIZE = False
+# Token tiles per group in the tile order (>= n_t: token tile fastest over all T, the default; 8 and
+# 4 measured no faster). RLK_LINEAR_LOGP_GROUP_T overrides it.
+TMA_GROUP_T = 1 << 30
+# Backward chunk layout on the TMA path: False = [T, chunk], True = [chunk, T] (dW becomes an NN
+# GEMM but dH a TN one; measured no faster). RLK_LINEAR_LOGP_DLOGITS_LAYOUT=tc|ct overrides it.
+DLOGITS_TRANSPOSED = False
+# Tests run the TMA kernel through the CPU interpreter by setting this (host descriptors work there).
+TMA_IN_INTERPRETER = False
+GROUP_T_ENV = "RLK_LINEAR_LOGP_GROUP_T"  # overrides TMA_GROUP_T
+DLOGITS_LAYOUT_ENV = "RLK_LINEAR_LOGP_DLOGITS_LAYOUT"  # "tc" ([T, chunk]) or "ct" ([chunk, T])
+
+
+def _tma_group_t() -> int:
+    raw = os.environ.get(GROUP_T_ENV, "").strip()
+    if not raw:
+        return TMA_GROUP_T
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"{GROUP_T_ENV}={raw!r}: expected a positive int (token tiles per group)")
+    return int(raw)
+
+
+def _dlogits_transposed() -> bool:
+    raw = os.environ.get(DLOGITS_LAYOUT_ENV, "").strip()
+    if not raw:
+        return DLOGITS_TRANSPOSED
+    if raw not in ("tc", "ct"):
+        raise ValueError(f"{DLOGITS_LAYOUT_ENV}={raw!r}: expected 'tc' ([T, chunk]) or 'ct' ([chunk, T])")
+    return raw == "ct"
+
+
+def _use_tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The persistent TMA kernel serves bf16/fp16 on Hopper or newer (fp32 stays on the pointer
+    kernels: IEEE fp32 products do not run on the tensor cores anyway); RLK_LINEAR_LOGP_TMA=0 turns it
+    off. TMA needs 16-byte aligned base pointers and row strides."""
+    if TensorDescriptor is None or os.environ.get(TMA_ENV, "").strip() == "0":
+        return False
+    aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
+                  for t in (hidden, weight))
+    if INTERPRETED:
+        return TMA_IN_INTERPRETER and aligned
+    return (aligned and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(hidden.device)[0] >= 9)
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +253,7 @@ def _logits_tile(
     h_ptrs = hidden_ptr + rows_t[:, None] * stride_ht + offs_k[None, :]
     w_ptrs = weight_ptr + rows_v[None, :] * stride_wv + offs_k[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
+    for k in range(tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             h = tl.load(h_ptrs)
             w = tl.load(w_ptrs)
@@ -256,6 +333,73 @@ def _dlogits_kernel(
 
 
 @triton.jit
+def _tma_tiles_kernel(
+    h_desc, w_desc, bias_ptr, local_ids_ptr, lse_ptr, grad_ptr,
+    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, dlogits_ptr,
+    T, V_local, H, col_start, n_cols, stride_dt, inv_temperature, group_t,
+    DLOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    TRANSPOSED_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Persistent (one program per SM) logits tiles over columns [col_start, col_start + n_cols),
+    operands fed by TMA descriptors (out-of-range rows/columns arrive as zeros).
+
+    DLOGITS = False (forward, col_start = 0, n_cols = V_local): per-tile row max / sum-exp partials
+    and the target logit, as ``_fwd_tile_kernel``. DLOGITS = True (backward): the dlogits tile of
+    ``_dlogits_kernel`` into the chunk buffer (column c of the buffer = vocab column col_start + c).
+    TRANSPOSED_OUT stores the chunk as [cols, T] (stride_dt = T) instead of [T, cols].
+    Tile order: groups of group_t (<= n_t) token tiles sweep the vocab tiles, token tile fastest, so the
+    programs resident together share weight tiles (and the group's hidden rows) in L2."""
+    n_t = tl.cdiv(T, BLOCK_T)
+    n_v = tl.cdiv(n_cols, BLOCK_V)
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    group_tiles = group_t * n_v
+    for tile in tl.range(tl.program_id(0), n_t * n_v, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        first_t = (tile // group_tiles) * group_t
+        rows_in_group = tl.minimum(n_t - first_t, group_t)
+        pid_t = first_t + (tile % group_tiles) % rows_in_group
+        pid_v = (tile % group_tiles) // rows_in_group
+        off_t = pid_t * BLOCK_T
+        off_c = pid_v * BLOCK_V
+        acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+        for k in range(k_tiles):
+            h = h_desc.load([off_t, k * BLOCK_K])
+            w = w_desc.load([col_start + off_c, k * BLOCK_K])
+            acc = _dot(h, w.T, acc, INPUT_PRECISION, UPCAST)
+        offs_t = off_t + tl.arange(0, BLOCK_T)
+        offs_c = off_c + tl.arange(0, BLOCK_V)
+        offs_v = col_start + offs_c
+        mask_t = offs_t < T
+        mask_c = offs_c < n_cols
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + offs_v, mask=mask_c, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        z = tl.where(mask_c[None, :], acc * inv_temperature, float("-inf"))
+        local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
+        if DLOGITS:
+            lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+            g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)
+            prob = tl.exp(z - lse[:, None])
+            onehot = (offs_v[None, :] == local_id[:, None]).to(tl.float32)
+            dlogits = (g * inv_temperature)[:, None] * (onehot - prob)
+            if TRANSPOSED_OUT:
+                out_ptrs = dlogits_ptr + offs_c.to(tl.int64)[None, :] * stride_dt + offs_t[:, None]
+            else:
+                out_ptrs = dlogits_ptr + offs_t.to(tl.int64)[:, None] * stride_dt + offs_c[None, :]
+            tl.store(out_ptrs, dlogits.to(dlogits_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+        else:
+            row_max = tl.max(z, axis=1)
+            row_sumexp = tl.sum(tl.exp(z - row_max[:, None]), axis=1)
+            tl.store(tile_max_ptr + pid_v * T + offs_t, row_max, mask=mask_t)
+            tl.store(tile_sumexp_ptr + pid_v * T + offs_t, row_sumexp, mask=mask_t)
+            target = tl.sum(tl.where(offs_v[None, :] == local_id[:, None], z, 0.0), axis=1)
+            owns = mask_t & (local_id >= off_c) & (local_id < off_c + BLOCK_V) & (local_id < n_cols)
+            tl.store(target_logit_ptr + offs_t, target, mask=owns)
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
@@ -284,7 +428,7 @@ def _matmul_kernel(
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
     b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + cols_b[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -331,24 +475,66 @@ def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
     return local.to(torch.int32).contiguous()
 
 
-def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group):
-    """Returns (target_logit [T] fp32, lse [T] fp32), both global over the TP group."""
+def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start, n_cols, forward_out=None,
+                  dlogits=None, lse=None, grad_rows=None, transposed_out=False):
+    """Runs the logits-tile work over columns [col_start, col_start + n_cols): the forward partials
+    (``forward_out`` = (tile_max, tile_sumexp, target_logit)) or the dlogits chunk (``dlogits``,
+    [T, chunk], or [chunk, T] with ``transposed_out``: TMA path only)."""
     T, H = hidden.shape
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
-    n_t = triton.cdiv(T, cfg.block_t)
-    n_v = triton.cdiv(V_local, cfg.block_v)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else hidden
+    precision, upcast = _input_precision(hidden.dtype), _upcast_operands(hidden.dtype)
+    if _use_tma(hidden, weight):
+        tile_max, tile_sumexp, target_logit = forward_out if forward_out is not None else (hidden,) * 3
+        is_dlogits = dlogits is not None
+        n_tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(n_cols, cfg.block_v)
+        programs = min(n_tiles, _num_programs(hidden.device))
+        _tma_tiles_kernel[(programs,)](
+            TensorDescriptor.from_tensor(hidden, [cfg.block_t, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k]),
+            bias_arg, local_ids, lse if is_dlogits else hidden, grad_rows if is_dlogits else hidden,
+            tile_max, tile_sumexp, target_logit, dlogits if is_dlogits else hidden,
+            T, V_local, H, col_start, n_cols, dlogits.stride(0) if is_dlogits else 0, inv_temperature,
+            min(_tma_group_t(), triton.cdiv(T, cfg.block_t)),
+            DLOGITS=is_dlogits, HAS_BIAS=has_bias,
+            BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+            NUM_PROGRAMS=programs, FLATTEN=TMA_FLATTEN, WARP_SPECIALIZE=TMA_WARP_SPECIALIZE,
+            TRANSPOSED_OUT=is_dlogits and transposed_out,
+            INPUT_PRECISION=precision, UPCAST=upcast,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
+    common = {"HAS_BIAS": has_bias, "BLOCK_T": cfg.block_t, "BLOCK_V": cfg.block_v, "BLOCK_K": cfg.block_k,
+              "INPUT_PRECISION": precision, "UPCAST": upcast, "EVEN_K": H % cfg.block_k == 0,
+              "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(n_cols, cfg.block_v))
+    if dlogits is None:
+        tile_max, tile_sumexp, target_logit = forward_out
+        _fwd_tile_kernel[grid](
+            hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit,
+            T, V_local, H, hidden.stride(0), weight.stride(0), inv_temperature, **common,
+        )
+    else:
+        assert not transposed_out, "the pointer kernel writes dlogits as [T, chunk]"
+        _dlogits_kernel[grid](
+            hidden, weight, bias_arg, local_ids, lse, grad_rows, dlogits,
+            T, V_local, H, col_start, n_cols,
+            hidden.stride(0), weight.stride(0), dlogits.stride(0), inv_temperature, **common,
+        )
+
+
+def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group):
+    """Returns (target_logit [T] fp32, lse [T] fp32), both global over the TP group."""
+    T = hidden.shape[0]
+    V_local = weight.shape[0]
+    n_v = triton.cdiv(V_local, _tile_config(hidden.dtype).block_v)
     tile_max = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     tile_sumexp = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)
-    _fwd_tile_kernel[(n_t, n_v)](
-        hidden, weight, bias if bias is not None else hidden, local_ids,
-        tile_max, tile_sumexp, target_logit,
-        T, V_local, H, hidden.stride(0), weight.stride(0), inv_temperature,
-        HAS_BIAS=bias is not None, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-        INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_upcast_operands(hidden.dtype),
-        EVEN_K=H % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=0, n_cols=V_local,
+                  forward_out=(tile_max, tile_sumexp, target_logit))
     row_max = tile_max.max(dim=0).values
     if tp_group is not None:
         torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
@@ -360,9 +546,28 @@ def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group):
 
 
 def _vocab_chunk_cols(T: int, V_local: int, element_size: int, block_v: int) -> int:
-    cols = BACKWARD_WORKSPACE_BYTES // max(1, T * element_size)
-    cols = max(block_v, cols // block_v * block_v)
-    return min(cols, triton.cdiv(V_local, block_v) * block_v)
+    """Columns per backward chunk: the fewest chunks whose dlogits fit BACKWARD_WORKSPACE_BYTES, then
+    the columns spread evenly over them (a multiple of block_v), so no chunk is a thin leftover."""
+    max_cols = max(block_v, BACKWARD_WORKSPACE_BYTES // max(1, T * element_size) // block_v * block_v)
+    n_chunks = triton.cdiv(V_local, max_cols)
+    return min(max_cols, triton.cdiv(triton.cdiv(V_local, n_chunks), block_v) * block_v)
+
+
+def _accumulate_dh(d_hidden32: torch.Tensor, d_chunk: torch.Tensor, w_chunk: torch.Tensor, first: bool) -> None:
+    """d_hidden32 (+)= d_chunk @ w_chunk through cuBLAS (``first``: overwrite), the product kept in
+    fp32 (never rounded to the input dtype before the sum over chunks)."""
+    if d_hidden32.is_cuda and d_chunk.dtype in (torch.bfloat16, torch.float16):
+        if first:
+            torch.mm(d_chunk, w_chunk, out_dtype=torch.float32, out=d_hidden32)
+        else:
+            torch.addmm(d_hidden32, d_chunk, w_chunk, out_dtype=torch.float32, out=d_hidden32)
+        return
+    if d_chunk.dtype != torch.float32:  # CPU (interpreter runs): an exact upcast, then fp32 products
+        d_chunk, w_chunk = d_chunk.float(), w_chunk.float()
+    if first:
+        torch.mm(d_chunk, w_chunk, out=d_hidden32)
+    else:
+        d_hidden32.addmm_(d_chunk, w_chunk)
 
 
 def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, tp_group, needs):
@@ -372,24 +577,21 @@ def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, 
     need_dh, need_dw, need_db = needs
     use_torch_mm = _bwd_matmul() == "torch"
     chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
-    dlogits = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
-    d_hidden32 = torch.zeros((T, H), dtype=torch.float32, device=hidden.device) if need_dh else None
+    transposed = _dlogits_transposed() and _use_tma(hidden, weight)
+    shape = (chunk, T) if transposed else (T, chunk)
+    dlogits = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+    alloc = torch.empty if use_torch_mm else torch.zeros  # cuBLAS overwrites on the first chunk
+    d_hidden32 = alloc((T, H), dtype=torch.float32, device=hidden.device) if need_dh else None
     d_weight = torch.empty_like(weight) if need_dw else None
     d_bias32 = torch.empty(V_local, dtype=torch.float32, device=hidden.device) if need_db else None
     for start in range(0, V_local, chunk):
         cols = min(chunk, V_local - start)
-        _dlogits_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(cols, cfg.block_v))](
-            hidden, weight, bias if bias is not None else hidden, local_ids, lse, grad_rows, dlogits,
-            T, V_local, H, start, cols,
-            hidden.stride(0), weight.stride(0), dlogits.stride(0), inv_temperature,
-            HAS_BIAS=bias is not None, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-            INPUT_PRECISION=_input_precision(hidden.dtype), UPCAST=_upcast_operands(hidden.dtype),
-            EVEN_K=H % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        d_chunk = dlogits[:, :cols]
+        _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
+                      dlogits=dlogits, lse=lse, grad_rows=grad_rows, transposed_out=transposed)
+        d_chunk = dlogits[:cols].t() if transposed else dlogits[:, :cols]  # [T, cols] either way
         if need_dh:
             if use_torch_mm:
-                d_hidden32.add_(torch.mm(d_chunk, weight[start:start + cols]))  # in-place upcast, no fp32 temp
+                _accumulate_dh(d_hidden32, d_chunk, weight[start:start + cols], first=start == 0)
             else:
                 _matmul(d_chunk, weight[start:start + cols], d_hidden32, accumulate=True)
         if need_dw:
@@ -522,9 +724,7 @@ def workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype) -> int:
     n_v = math.ceil(V_local / cfg.block_v)
     forward = 2 * n_v * T * 4 + 3 * T * 4 + T * 4  # partials, target/lse/logp, int32 ids
     backward = T * _vocab_chunk_cols(T, V_local, element, cfg.block_v) * element + T * H * 4 + V_local * 4 + T * 4
-    if _bwd_matmul() == "torch":
-        backward += T * H * element  # the per-chunk dH partial (bf16: 221 MB in all at the issue's shape)
     return forward + backward
 
 
-__all__ = ["linear_logp", "check_linear_logp_inputs", "workspace_bytes", "BACKWARD_WORKSPACE_BYTES"]
+__all__ = ["BACKWARD_WORKSPACE_BYTES", "check_linear_logp_inputs", "linear_logp", "workspace_bytes"]

@@ -80,17 +80,29 @@ def row_write_grad(
     The softmax is formed as exp(z - m) * (coef / S), the order of the reference's autograd;
     exp(z - lse) would carry lse's rounding (an ulp of ~20) into every probability."""
     offs = tl.arange(0, BLOCK_V)
-    if SCALE:
-        coef = tl.math.div_rn(coef, temperature)
-    coef_over_s = tl.math.div_rn(coef, sumexp)
+    coef, coef_over_s = grad_coefficients(coef, sumexp, temperature, SCALE)
     for start in range(0, vocab, BLOCK_V):
         cols = start + offs
         in_row = cols < vocab
         z = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
         if SCALE:
             z = tl.math.div_rn(z, temperature)
-        d = tl.where(cols == local_target, coef, 0.0) - tl.exp(z - row_max) * coef_over_s
+        d = grad_from_z(z, cols, local_target, coef, coef_over_s, row_max)
         tl.store(grad_row_ptr + cols, d.to(grad_row_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def grad_coefficients(coef, sumexp, temperature, SCALE: tl.constexpr):
+    """(coef / temperature, coef / temperature / S): the two factors of ``grad_from_z``."""
+    if SCALE:
+        coef = tl.math.div_rn(coef, temperature)
+    return coef, tl.math.div_rn(coef, sumexp)
+
+
+@triton.jit
+def grad_from_z(z, cols, local_target, coef, coef_over_s, row_max):
+    """coef * (onehot - softmax) for scaled logits ``z`` at columns ``cols`` (fp32)."""
+    return tl.where(cols == local_target, coef, 0.0) - tl.exp(z - row_max) * coef_over_s
 
 
 @triton.jit
@@ -133,9 +145,8 @@ def _logp_bwd_kernel(
 
 def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial):
     num_tokens, vocab = logits.shape
-    out = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
-    row_max = torch.empty_like(out)
-    row_sumexp = torch.empty_like(out)
+    # one allocation for the three [T] outputs (host time: small calls are launch-bound)
+    out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device)
     block, warps = vocab_block(vocab, logits.dtype)
     _logp_fwd_kernel[(num_tokens,)](
         logits, ids, out, row_max, row_sumexp,
@@ -216,4 +227,7 @@ def logp(
     validation.check_temperature(temperature)
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
     validation.check_target_ids(target_ids, logits.shape[0], logits.shape[1] * world, logits.device, ignore_index)
+    if not (logits.requires_grad and torch.is_grad_enabled()):
+        # nothing to differentiate: skip autograd.Function's bookkeeping (~20 us of host time)
+        return logp_forward_stats(logits, target_ids, float(temperature), int(ignore_index), tp_group)[0]
     return LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)

@@ -43,9 +43,11 @@ def resolve_lengths(
     return torch.tensor([num_tokens], dtype=torch.int64, device=device)
 
 
-def sample_index(lengths: torch.Tensor) -> torch.Tensor:
-    """[T] int64: the sample each token belongs to."""
-    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)
+def sample_index(lengths: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    """[T] int64: the sample each token belongs to. ``num_tokens`` (= lengths.sum(), validated by
+    check_lengths) spares the device sync that reading the sum would cost."""
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths,
+                                   output_size=num_tokens)
 
 
 def token_weights(mask: torch.Tensor, lengths: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -59,7 +61,7 @@ def token_weights(mask: torch.Tensor, lengths: torch.Tensor, reduction: str) -> 
     m = mask.float()
     if reduction == "per_token_sum":
         return m
-    idx = sample_index(lengths)
+    idx = sample_index(lengths, m.shape[0])
     counts = torch.zeros(lengths.shape[0], dtype=torch.float32, device=m.device).index_add(0, idx, m)
     return m / counts.clamp(min=1.0)[idx]
 
@@ -67,7 +69,7 @@ def token_weights(mask: torch.Tensor, lengths: torch.Tensor, reduction: str) -> 
 def sum_of_sample_mean(x: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Sum over samples of each sample's masked mean. x, mask: [T]; lengths: [B]. 0-dim fp32."""
     m = mask.float()
-    idx = sample_index(lengths.to(torch.int64))
+    idx = sample_index(lengths.to(torch.int64), x.shape[0])
     sums = torch.zeros(lengths.shape[0], dtype=torch.float32, device=x.device).index_add(0, idx, x.float() * m)
     counts = torch.zeros(lengths.shape[0], dtype=torch.float32, device=x.device).index_add(0, idx, m)
     return (sums / counts.clamp(min=1.0)).sum()

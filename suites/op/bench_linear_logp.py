@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from rlk_bench import measure, record_limit
 
 from kernels import tolerances
 from kernels.ops.linear_logp import BWD_MATMUL_ENV, linear_logp
 from kernels.reference.linear_logp import fp32_logits
 from pytest_rlk.timing import peak_extra_memory
-from rlk_bench import measure, record_limit
 
 T, H, V = 4096, 4096, 151936
 WORKSPACE_BUDGET_BYTES = 256 * 10**6
@@ -60,12 +60,12 @@ def _ours(h, w, i):
     return linear_logp(h, w, i)
 
 
-# Our op twice: default backward (Triton matmuls) and the cuBLAS option (RLK_LINEAR_LOGP_BWD_MATMUL=torch).
-OUR_VARIANTS = {"rlk": "triton", "rlk_bwd_torch_mm": "torch"}
+# Our op twice: default backward (cuBLAS dH/dW) and our Triton matmuls (RLK_LINEAR_LOGP_BWD_MATMUL=triton).
+OUR_VARIANTS = {"rlk": "torch", "rlk_bwd_triton_mm": "triton"}
 
 
 def _peers() -> dict[str, Impl]:
-    impls: dict[str, Impl] = {"rlk": _ours, "rlk_bwd_torch_mm": _ours, "eager": _eager}
+    impls: dict[str, Impl] = {"rlk": _ours, "rlk_bwd_triton_mm": _ours, "eager": _eager}
     for name, make in (("trl", _trl), ("liger", _liger)):
         impl = make()
         if impl is not None:
@@ -148,7 +148,7 @@ def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch, pass_
     impls = _peers()
     measured: dict[str, float] = {}
     for name, impl in impls.items():
-        monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "triton"))
+        monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "torch"))
 
         def forward(impl=impl):
             with torch.no_grad():

@@ -173,12 +173,21 @@ def test_grpo_loss_forward_only_matches(triton_strict):
     assert all(torch.equal(metrics_a[k], metrics_b[k]) for k in METRIC_NAMES)
 
 
-def test_grpo_loss_second_backward_raises(triton_strict):
+def test_grpo_loss_second_backward_recomputes_or_raises_when_inplace(triton_strict):
+    """A second backward through a retained graph gives the same gradient again (the backward
+    reads the saved logits); with inplace_backward the first backward overwrote them: it raises."""
     inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=5, lengths=LENGTHS)
-    logits = inputs.pop("logits").requires_grad_()
-    loss, _ = kernels.grpo_loss(logits, **inputs)
+    leaf = inputs.pop("logits").requires_grad_()
+    loss, _ = kernels.grpo_loss(leaf, **inputs)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
+    first = leaf.grad.clone()
+    leaf.grad = None
+    loss.backward()
+    assert torch.equal(leaf.grad, first)
+    other = leaf.detach().clone().requires_grad_()
+    loss, _ = kernels.grpo_loss(other.clone(), inplace_backward=True, **inputs)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice with inplace_backward"):
         loss.backward()
 
 

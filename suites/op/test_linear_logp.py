@@ -36,7 +36,7 @@ def _inputs(dtype, T=24, H=40, V=ODD_VOCAB, bias=True, seed=0, device=DEVICE):
     b = torch.randn(V, generator=gen) * 0.5 if bias else None
     ids = torch.randint(0, V, (T,), generator=gen)
     ids[:4] = torch.tensor([0, V - 1, -100, V // 2])  # vocab edges and one ignored row
-    to = dict(device=device, dtype=dtype)
+    to = {"device": device, "dtype": dtype}
     leaves = [hidden.to(**to).requires_grad_(), weight.to(**to).requires_grad_()]
     leaves.append(b.to(**to).requires_grad_() if bias else None)
     return leaves, ids.to(device)
@@ -85,13 +85,51 @@ def test_backward_over_several_vocab_chunks_without_bias(monkeypatch):
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, torch.float32)
 
 
-def test_backward_with_torch_matmuls(monkeypatch):
-    """The cuBLAS (torch.mm) option for the backward matmuls meets the same tolerances."""
-    monkeypatch.setenv(op_module.BWD_MATMUL_ENV, "torch")
+@pytest.mark.parametrize("matmul", ["torch", "triton"])
+def test_backward_matmul_options(monkeypatch, matmul):
+    """Both backward matmul options (cuBLAS, the default, and our Triton matmul) meet the tolerances
+    over several vocab chunks."""
+    monkeypatch.setenv(op_module.BWD_MATMUL_ENV, matmul)
+    monkeypatch.setattr(op_module, "BACKWARD_WORKSPACE_BYTES", 24 * 100 * 2)
     leaves, ids = _inputs(torch.bfloat16, T=24, H=32, V=257, seed=2)
     logp, grads = _grads(linear_logp, leaves, ids, 0.7)
     ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, torch.bfloat16)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on a Hopper GPU the TMA kernel is the bf16 default (covered above)")
+@pytest.mark.parametrize("transposed", [False, True], ids=["chunk_TxC", "chunk_CxT"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, transposed):
+    """The persistent TMA kernel (GPU default for bf16/fp16) forced on in the interpreter: partial
+    tiles in T, V and K (H = 40), bias, an ignored row, several backward chunks, both chunk layouts,
+    grouped tile order."""
+    monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", True)
+    monkeypatch.setenv(op_module.DLOGITS_LAYOUT_ENV, "ct" if transposed else "tc")
+    monkeypatch.setenv(op_module.GROUP_T_ENV, "1" if transposed else "4096")
+    monkeypatch.setattr(op_module, "BACKWARD_WORKSPACE_BYTES", 40 * 128 * 4)
+    launched = []
+    kernel = op_module._tma_tiles_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(op_module, "_tma_tiles_kernel", _Spy())
+    leaves, ids = _inputs(dtype, T=40, H=40, V=ODD_VOCAB, seed=3)
+    logp, grads = _grads(linear_logp, leaves, ids, 0.7)
+    ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
+    assert len(launched) > 2, "forward plus several backward chunks must run the TMA kernel"
+    assert torch.all(grads[0][2] == 0)
+    assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype)
+
+
+def test_backward_chunks_are_even_and_fill_whole_waves_at_the_issue_shape():
+    """9 chunks of 16896 columns (66 vocab tiles of 256): no thin leftover chunk."""
+    cols = op_module._vocab_chunk_cols(4096, 151936, 2, 256)
+    assert cols == 16896 and -(-151936 // cols) == 9
+    assert 4096 * cols * 2 <= op_module.BACKWARD_WORKSPACE_BYTES
 
 
 def test_bad_backward_matmul_setting_is_an_error(monkeypatch):
@@ -106,6 +144,13 @@ def test_bad_tile_setting_is_an_error(monkeypatch):
     monkeypatch.setenv(op_module.TILES_ENV, "128,100,64,8,3")
     with pytest.raises(ValueError, match="powers of two"):
         op_module._tile_config(torch.bfloat16, interpreted=False)
+
+
+@pytest.mark.parametrize("env, value", [("GROUP_T_ENV", "0"), ("GROUP_T_ENV", "x"), ("DLOGITS_LAYOUT_ENV", "cc")])
+def test_bad_tma_setting_is_an_error(monkeypatch, env, value):
+    monkeypatch.setenv(getattr(op_module, env), value)
+    with pytest.raises(ValueError, match=getattr(op_module, env)):
+        op_module._tma_group_t() if env == "GROUP_T_ENV" else op_module._dlogits_transposed()
 
 
 def test_dispatch_serves_linear_logp_from_the_triton_backend(triton_strict):
@@ -133,7 +178,7 @@ def test_never_materializes_full_logits_workspace_bound():
 # --------------------------------------------------------------------------------------------
 
 TP_CASES = [(torch.float32, 0.7, True), (torch.bfloat16, 1.0, False)]
-TP_SHAPE = dict(T=16, H=32)  # V stays ODD_VOCAB: unequal shards (516 + 515)
+TP_SHAPE = {"T": 16, "H": 32}  # V stays ODD_VOCAB: unequal shards (516 + 515)
 
 
 def _free_port() -> int:
@@ -171,7 +216,7 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             ids[4:6] = torch.tensor([width - 1, width], device=device)
             shard = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
             shard.append(None if b is None else b[start:stop].clone().requires_grad_())
-            kw = dict(tp_group=dist.group.WORLD, vocab_start=start, global_vocab=ODD_VOCAB)
+            kw = {"tp_group": dist.group.WORLD, "vocab_start": start, "global_vocab": ODD_VOCAB}
             ours = _grads(linear_logp, shard, ids, temperature, **kw)
             ref = _grads(reference_linear_logp, shard, ids, temperature, **kw)
             results.append(_to_cpu({"ours": ours, "ref": ref, "start": start, "stop": stop, "ids": ids}))
@@ -210,7 +255,7 @@ def test_vocab_parallel_tp2_matches_single_device_reference(tmp_path):
 
 def _good():
     (hidden, weight, bias), ids = _inputs(torch.float32, T=8, H=16, V=40)
-    return dict(hidden=hidden, weight=weight, target_ids=ids, bias=bias)
+    return {"hidden": hidden, "weight": weight, "target_ids": ids, "bias": bias}
 
 
 BAD_INPUTS = {
