@@ -82,13 +82,14 @@ SUITE_COMMIT_ENV = "RLK_SUITE_COMMIT"
 
 
 def suite_state(root: Path) -> tuple[str | None, bool | None]:
-    """(commit, dirty) of this suite. A tree copied without ``.git`` (a lent GPU machine, a
-    container image) cannot know its commit: whoever copied it can say it in ``RLK_SUITE_COMMIT``
-    (dirty is then unknown, None). A real checkout always wins over the variable."""
-    commit, dirty = git_state(root)
-    if commit is None and dirty is None:
-        commit = os.environ.get(SUITE_COMMIT_ENV, "").strip() or None
-    return commit, dirty
+    """(commit, dirty) of this suite, from git. A copied tree (a lent GPU machine, a container
+    image) may have no ``.git``, or a stale one (the lent machines once reported the session's
+    first commit, dirty, for a tree two commits later): whoever copied it states the commit in
+    ``RLK_SUITE_COMMIT``, which then wins over git (dirty is unknown, None)."""
+    stated = os.environ.get(SUITE_COMMIT_ENV, "").strip()
+    if stated:
+        return stated, None
+    return git_state(root)
 
 
 def build_manifest(*, run_id: str, argv: list[str], tiers: list[str], platform: PlatformInfo,
