@@ -80,7 +80,7 @@ def token_pg_and_grad(
 
 @triton.jit
 def _grpo_loss_kernel(
-    logits_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, weight_ptr, per_token_ptr,
+    logits_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, per_token_ptr,
     stride_row, num_tokens, vocab, ignore_index, temperature,
     eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef,
     BLOCK_V: tl.constexpr, SCALE: tl.constexpr, HAS_REF: tl.constexpr,
@@ -96,7 +96,6 @@ def _grpo_loss_kernel(
 
     old = tl.load(old_ptr + row).to(tl.float32)
     adv = tl.load(adv_ptr + row).to(tl.float32)
-    weight = tl.load(weight_ptr + row)
     rollout = old
     if TIS:
         rollout = tl.load(rollout_ptr + row).to(tl.float32)
@@ -108,9 +107,10 @@ def _grpo_loss_kernel(
     if HAS_REF:
         ref = tl.load(ref_ptr + row).to(tl.float32)
         kl, dkl = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
-    coef = tl.where(ignored, 0.0, weight * (dpg + kl_coef * dkl))
+    # d(pg + kl_coef kl)/dlogp; times the token's reduction weight it is c = dL/dlogp
+    coef = tl.where(ignored, 0.0, dpg + kl_coef * dkl)
     # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (weighted sums give the metrics), then what
-    # the backward needs to write dlogits: coef, row max, sum-exp
+    # the backward needs to write dlogits: the unweighted coefficient, row max, sum-exp
     tl.store(per_token_ptr + row, pg)
     tl.store(per_token_ptr + num_tokens + row, clipped)
     tl.store(per_token_ptr + 2 * num_tokens + row, old - logp)
@@ -124,7 +124,7 @@ class GrpoLossFunction(torch.autograd.Function):
     """Forward: the per-row statistics and loss kernel; backward: the dlogits kernel."""
 
     @staticmethod
-    def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, weights, config,
+    def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, loss_mask, lengths, config,
                 temperature, ignore_index, inplace):  # type: ignore[override]
         num_tokens, vocab = logits.shape
         per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
@@ -132,7 +132,7 @@ class GrpoLossFunction(torch.autograd.Function):
         has_ref = ref_logp is not None
         _grpo_loss_kernel[(num_tokens,)](
             logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
-            rollout_logp if config.use_tis else old_logp, weights, per_token,
+            rollout_logp if config.use_tis else old_logp, per_token,
             logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
             config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
             config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef,
@@ -140,10 +140,14 @@ class GrpoLossFunction(torch.autograd.Function):
             KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
             DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
         )
+        # The reduction weights are computed after the launch: their few small ops overlap the
+        # kernel instead of delaying it (the kernel needs no weight: every output is per token).
+        weights = token_weights(loss_mask, lengths, config.reduction)
         # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss (multiply + sum, not a matmul: TF32 must not apply)
         metrics = (per_token[:4] * weights).sum(dim=1)
         loss = metrics[0] + config.kl_loss_coef * metrics[3] if config.kl_loss_coef != 0.0 else metrics[0].clone()
         ctx.row_stats = per_token[4:]
+        ctx.weights = weights
         ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
         ctx.backward_done = False
         # saving the logits costs no memory (the caller's graph holds them); the backward reads them once
@@ -159,12 +163,12 @@ class GrpoLossFunction(torch.autograd.Function):
         ctx.backward_done = True
         logits, ids = ctx.saved_tensors
         coef, row_max, sumexp = ctx.row_stats
-        # grad_output folds into the per-row coefficient before the single rounding of each dlogit
-        # (exact for any scale, no host sync); [T] fp32 on the device
-        row_grad = coef * grad_loss.to(torch.float32)
+        # c = w * coef (the product the loss's autograd forms), then grad_output folds into it before
+        # the single rounding of each dlogit (exact for any scale, no host sync); [T] fp32 on the device
+        row_grad = (ctx.weights * coef) * grad_loss.to(torch.float32)
         grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
         launch_logp_backward(logits, grad, ids, row_grad, row_max, sumexp, ctx.temperature, ctx.ignore_index)
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
 def grpo_loss(
@@ -200,13 +204,12 @@ def grpo_loss(
             lengths=lengths, cu_seqlens=cu_seqlens, config=config, rollout_logp=rollout_logp,
         )
     lens = resolve_lengths(num_tokens, logits.device, lengths, cu_seqlens)
-    weights = token_weights(loss_mask, lens, config.reduction).contiguous()
 
     def f32(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.to(torch.float32).contiguous()
 
     loss, metrics = GrpoLossFunction.apply(
-        logits, target_ids, f32(old_logp), f32(ref_logp), f32(advantages), f32(rollout_logp), weights,
+        logits, target_ids, f32(old_logp), f32(ref_logp), f32(advantages), f32(rollout_logp), loss_mask, lens,
         config, float(temperature), int(ignore_index), bool(inplace_backward),
     )
     return loss, dict(zip(METRIC_NAMES, metrics.unbind(0), strict=False))
