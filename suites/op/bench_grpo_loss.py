@@ -60,7 +60,7 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, dtype_name, shape):
         loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
         return torch.autograd.grad(loss, logits)
 
-    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags)
+    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
 
     work = logits.detach().clone().requires_grad_()
 
@@ -70,7 +70,7 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, dtype_name, shape):
         loss, _ = grpo_loss(x, ids, config=CONFIG, inplace_backward=True, **kw)
         return torch.autograd.grad(loss, x)
 
-    measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags)
+    measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags, graph=True)
 
     compiled = torch.compile(reference_grpo_loss)
 

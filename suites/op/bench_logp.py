@@ -47,7 +47,7 @@ def test_bench_logp_forward(rlk_metrics, dtype_name, shape):
     bytes_moved = num_tokens * vocab * dtype_bytes(dtype) + num_tokens * (8 + 4)
     record_limit(rlk_metrics, bytes_moved, tags)
     with torch.no_grad():
-        ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags)
+        ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, graph=True)
         compiled = torch.compile(selected_logprob)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logits, ids), bytes_moved, tags)
         if liger_available() and num_tokens % LIGER_SEQ == 0:
@@ -82,7 +82,7 @@ def test_bench_logp_forward_backward(rlk_metrics, dtype_name, shape):
     def peer():
         return torch.autograd.grad(compiled(logits, ids), logits, grad)
 
-    measure(rlk_metrics, OURS, ours, bytes_moved, tags)
+    measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
     measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
 
 

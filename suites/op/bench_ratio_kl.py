@@ -29,7 +29,7 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
     record_limit(rlk_metrics, fwd_bytes, {**tags, "pass": "fwd"})
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: ratio_kl(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
-                {**tags, "pass": "fwd"})
+                {**tags, "pass": "fwd"}, graph=True)
         compiled = torch.compile(reference_ratio_kl)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
                 {**tags, "pass": "fwd"})
@@ -42,5 +42,6 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
 
     fwd_bwd_bytes = fwd_bytes + 7 * 4 * NUM_TOKENS
     record_limit(rlk_metrics, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"}, name="hbm_limit_fwd_bwd_ms")
-    result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"})
+    result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
+                        graph=True)
     assert result_ms > 0
