@@ -128,7 +128,7 @@ class GrpoLossFunction(torch.autograd.Function):
                 temperature, ignore_index, inplace):  # type: ignore[override]
         num_tokens, vocab = logits.shape
         per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
-        block, warps = vocab_block(vocab, logits.dtype, sweep="read")
+        block, warps = vocab_block(vocab, logits.dtype, read_only=True)
         has_ref = ref_logp is not None
         _grpo_loss_kernel[(num_tokens,)](
             logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,

@@ -34,16 +34,16 @@ import triton.language as tl
 from kernels import validation
 
 
-def vocab_block(vocab: int, dtype: torch.dtype, *, sweep: str = "write") -> tuple[int, int]:
+def vocab_block(vocab: int, dtype: torch.dtype, *, read_only: bool = False) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of ``vocab`` elements; a function of V and dtype only.
 
-    ``sweep="read"`` (the forward's statistics sweep) gives 16-bit tiles 4 warps instead of 8: on an
+    ``read_only=True`` (the forward's statistics sweep) gives 16-bit tiles 4 warps instead of 8: on an
     H200 the bf16 forward at [8192, 151936] went from 93% to 98% of the HBM read limit, the same on
     an H100 (101%); the write sweeps (backward) keep 8 (docs/performance-notes.md, 2026-11-22)."""
     cap = 4096 if dtype == torch.float32 else 8192
     block = min(cap, triton.next_power_of_2(vocab))
     num_warps = 8 if block >= 4096 else 4
-    if sweep == "read" and dtype != torch.float32:
+    if read_only and dtype != torch.float32:
         num_warps = 4
     return block, num_warps
 
@@ -86,29 +86,17 @@ def row_write_grad(
     The softmax is formed as exp(z - m) * (coef / S), the order of the reference's autograd;
     exp(z - lse) would carry lse's rounding (an ulp of ~20) into every probability."""
     offs = tl.arange(0, BLOCK_V)
-    coef, coef_over_s = grad_coefficients(coef, sumexp, temperature, SCALE)
+    if SCALE:
+        coef = tl.math.div_rn(coef, temperature)
+    coef_over_s = tl.math.div_rn(coef, sumexp)
     for start in range(0, vocab, BLOCK_V):
         cols = start + offs
         in_row = cols < vocab
         z = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
         if SCALE:
             z = tl.math.div_rn(z, temperature)
-        d = grad_from_z(z, cols, local_target, coef, coef_over_s, row_max)
+        d = tl.where(cols == local_target, coef, 0.0) - tl.exp(z - row_max) * coef_over_s
         tl.store(grad_row_ptr + cols, d.to(grad_row_ptr.dtype.element_ty), mask=in_row)
-
-
-@triton.jit
-def grad_coefficients(coef, sumexp, temperature, SCALE: tl.constexpr):
-    """(coef / temperature, coef / temperature / S): the two factors of ``grad_from_z``."""
-    if SCALE:
-        coef = tl.math.div_rn(coef, temperature)
-    return coef, tl.math.div_rn(coef, sumexp)
-
-
-@triton.jit
-def grad_from_z(z, cols, local_target, coef, coef_over_s, row_max):
-    """coef * (onehot - softmax) for scaled logits ``z`` at columns ``cols`` (fp32)."""
-    return tl.where(cols == local_target, coef, 0.0) - tl.exp(z - row_max) * coef_over_s
 
 
 @triton.jit
@@ -153,7 +141,7 @@ def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial):
     num_tokens, vocab = logits.shape
     # one allocation for the three [T] outputs (host time: small calls are launch-bound)
     out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device)
-    block, warps = vocab_block(vocab, logits.dtype, sweep="read")
+    block, warps = vocab_block(vocab, logits.dtype, read_only=True)
     _logp_fwd_kernel[(num_tokens,)](
         logits, ids, out, row_max, row_sumexp,
         logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
