@@ -52,8 +52,8 @@ GPU tuning knobs (environment, read at each call; defaults are the configs below
 for the logits-tile kernels (TMA or pointer) / our backward matmul; ``RLK_LINEAR_LOGP_TMA=0`` uses
 the pointer kernels on Hopper too; ``RLK_LINEAR_LOGP_BWD_MATMUL=triton|torch`` picks the backward's
 dH/dW matmuls (default ``torch``, see ``_bwd_matmul``); ``RLK_LINEAR_LOGP_GROUP_T=N`` (token tiles
-per group in the TMA kernel's tile order) and ``RLK_LINEAR_LOGP_DLOGITS_LAYOUT=tc|ct`` (backward
-chunk as [T, chunk] or [chunk, T]) are alternatives that measured no faster on an H100.
+per group in the TMA kernel's tile order) is an alternative that measured no faster on an H100 (as
+did a [chunk, T] dlogits layout, removed: docs/linear_logp.md).
 """
 
 from __future__ import annotations
@@ -174,13 +174,9 @@ TMA_WARP_SPECIALIZE = False
 # Token tiles per group in the tile order (>= n_t: token tile fastest over all T, the default; 8 and
 # 4 measured no faster). RLK_LINEAR_LOGP_GROUP_T overrides it.
 TMA_GROUP_T = 1 << 30
-# Backward chunk layout on the TMA path: False = [T, chunk], True = [chunk, T] (dW becomes an NN
-# GEMM but dH a TN one; measured no faster). RLK_LINEAR_LOGP_DLOGITS_LAYOUT=tc|ct overrides it.
-DLOGITS_TRANSPOSED = False
 # Tests run the TMA kernel through the CPU interpreter by setting this (host descriptors work there).
 TMA_IN_INTERPRETER = False
 GROUP_T_ENV = "RLK_LINEAR_LOGP_GROUP_T"  # overrides TMA_GROUP_T
-DLOGITS_LAYOUT_ENV = "RLK_LINEAR_LOGP_DLOGITS_LAYOUT"  # "tc" ([T, chunk]) or "ct" ([chunk, T])
 
 
 def _tma_group_t() -> int:
@@ -190,15 +186,6 @@ def _tma_group_t() -> int:
     if not raw.isdigit() or int(raw) <= 0:
         raise ValueError(f"{GROUP_T_ENV}={raw!r}: expected a positive int (token tiles per group)")
     return int(raw)
-
-
-def _dlogits_transposed() -> bool:
-    raw = os.environ.get(DLOGITS_LAYOUT_ENV, "").strip()
-    if not raw:
-        return DLOGITS_TRANSPOSED
-    if raw not in ("tc", "ct"):
-        raise ValueError(f"{DLOGITS_LAYOUT_ENV}={raw!r}: expected 'tc' ([T, chunk]) or 'ct' ([chunk, T])")
-    return raw == "ct"
 
 
 def _use_tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -340,7 +327,7 @@ def _tma_tiles_kernel(
     DLOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    TRANSPOSED_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Persistent (one program per SM) logits tiles over columns [col_start, col_start + n_cols),
     operands fed by TMA descriptors (out-of-range rows/columns arrive as zeros).
@@ -348,7 +335,6 @@ def _tma_tiles_kernel(
     DLOGITS = False (forward, col_start = 0, n_cols = V_local): per-tile row max / sum-exp partials
     and the target logit, as ``_fwd_tile_kernel``. DLOGITS = True (backward): the dlogits tile of
     ``_dlogits_kernel`` into the chunk buffer (column c of the buffer = vocab column col_start + c).
-    TRANSPOSED_OUT stores the chunk as [cols, T] (stride_dt = T) instead of [T, cols].
     Tile order: groups of group_t (<= n_t) token tiles sweep the vocab tiles, token tile fastest, so the
     programs resident together share weight tiles (and the group's hidden rows) in L2."""
     n_t = tl.cdiv(T, BLOCK_T)
@@ -384,10 +370,7 @@ def _tma_tiles_kernel(
             prob = tl.exp(z - lse[:, None])
             onehot = (offs_v[None, :] == local_id[:, None]).to(tl.float32)
             dlogits = (g * inv_temperature)[:, None] * (onehot - prob)
-            if TRANSPOSED_OUT:
-                out_ptrs = dlogits_ptr + offs_c.to(tl.int64)[None, :] * stride_dt + offs_t[:, None]
-            else:
-                out_ptrs = dlogits_ptr + offs_t.to(tl.int64)[:, None] * stride_dt + offs_c[None, :]
+            out_ptrs = dlogits_ptr + offs_t.to(tl.int64)[:, None] * stride_dt + offs_c[None, :]
             tl.store(out_ptrs, dlogits.to(dlogits_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
         else:
             row_max = tl.max(z, axis=1)
@@ -476,10 +459,10 @@ def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
 
 
 def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start, n_cols, forward_out=None,
-                  dlogits=None, lse=None, grad_rows=None, transposed_out=False):
+                  dlogits=None, lse=None, grad_rows=None):
     """Runs the logits-tile work over columns [col_start, col_start + n_cols): the forward partials
     (``forward_out`` = (tile_max, tile_sumexp, target_logit)) or the dlogits chunk (``dlogits``,
-    [T, chunk], or [chunk, T] with ``transposed_out``: TMA path only)."""
+    [T, chunk])."""
     T, H = hidden.shape
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
@@ -501,7 +484,6 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
             DLOGITS=is_dlogits, HAS_BIAS=has_bias,
             BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
             NUM_PROGRAMS=programs, FLATTEN=TMA_FLATTEN, WARP_SPECIALIZE=TMA_WARP_SPECIALIZE,
-            TRANSPOSED_OUT=is_dlogits and transposed_out,
             INPUT_PRECISION=precision, UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -517,7 +499,6 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
             T, V_local, H, hidden.stride(0), weight.stride(0), inv_temperature, **common,
         )
     else:
-        assert not transposed_out, "the pointer kernel writes dlogits as [T, chunk]"
         _dlogits_kernel[grid](
             hidden, weight, bias_arg, local_ids, lse, grad_rows, dlogits,
             T, V_local, H, col_start, n_cols,
@@ -577,9 +558,7 @@ def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, 
     need_dh, need_dw, need_db = needs
     use_torch_mm = _bwd_matmul() == "torch"
     chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
-    transposed = _dlogits_transposed() and _use_tma(hidden, weight)
-    shape = (chunk, T) if transposed else (T, chunk)
-    dlogits = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+    dlogits = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
     alloc = torch.empty if use_torch_mm else torch.zeros  # cuBLAS overwrites on the first chunk
     d_hidden32 = alloc((T, H), dtype=torch.float32, device=hidden.device) if need_dh else None
     d_weight = torch.empty_like(weight) if need_dw else None
@@ -587,8 +566,8 @@ def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, 
     for start in range(0, V_local, chunk):
         cols = min(chunk, V_local - start)
         _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
-                      dlogits=dlogits, lse=lse, grad_rows=grad_rows, transposed_out=transposed)
-        d_chunk = dlogits[:cols].t() if transposed else dlogits[:, :cols]  # [T, cols] either way
+                      dlogits=dlogits, lse=lse, grad_rows=grad_rows)
+        d_chunk = dlogits[:, :cols]
         if need_dh:
             if use_torch_mm:
                 _accumulate_dh(d_hidden32, d_chunk, weight[start:start + cols], first=start == 0)

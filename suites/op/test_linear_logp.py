@@ -98,15 +98,13 @@ def test_backward_matmul_options(monkeypatch, matmul):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="on a Hopper GPU the TMA kernel is the bf16 default (covered above)")
-@pytest.mark.parametrize("transposed", [False, True], ids=["chunk_TxC", "chunk_CxT"])
+@pytest.mark.parametrize("group_t", ["4096", "1"], ids=["token_tile_fastest", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, transposed):
+def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     """The persistent TMA kernel (GPU default for bf16/fp16) forced on in the interpreter: partial
-    tiles in T, V and K (H = 40), bias, an ignored row, several backward chunks, both chunk layouts,
-    grouped tile order."""
+    tiles in T, V and K (H = 40), bias, an ignored row, several backward chunks, both tile orders."""
     monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", True)
-    monkeypatch.setenv(op_module.DLOGITS_LAYOUT_ENV, "ct" if transposed else "tc")
-    monkeypatch.setenv(op_module.GROUP_T_ENV, "1" if transposed else "4096")
+    monkeypatch.setenv(op_module.GROUP_T_ENV, group_t)
     monkeypatch.setattr(op_module, "BACKWARD_WORKSPACE_BYTES", 40 * 128 * 4)
     launched = []
     kernel = op_module._tma_tiles_kernel
@@ -146,11 +144,11 @@ def test_bad_tile_setting_is_an_error(monkeypatch):
         op_module._tile_config(torch.bfloat16, interpreted=False)
 
 
-@pytest.mark.parametrize("env, value", [("GROUP_T_ENV", "0"), ("GROUP_T_ENV", "x"), ("DLOGITS_LAYOUT_ENV", "cc")])
-def test_bad_tma_setting_is_an_error(monkeypatch, env, value):
-    monkeypatch.setenv(getattr(op_module, env), value)
-    with pytest.raises(ValueError, match=getattr(op_module, env)):
-        op_module._tma_group_t() if env == "GROUP_T_ENV" else op_module._dlogits_transposed()
+@pytest.mark.parametrize("value", ["0", "x"])
+def test_bad_tma_setting_is_an_error(monkeypatch, value):
+    monkeypatch.setenv(op_module.GROUP_T_ENV, value)
+    with pytest.raises(ValueError, match=op_module.GROUP_T_ENV):
+        op_module._tma_group_t()
 
 
 def test_dispatch_serves_linear_logp_from_the_triton_backend(triton_strict):
