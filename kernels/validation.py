@@ -32,10 +32,23 @@ import torch
 IGNORE_INDEX = -100
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int64, torch.int32)
+_POSIX = os.name == "posix"
+
+
+def _getenv(name: str) -> str | None:
+    """``os.environ.get(name)``, faster for an unset name (these flags are read on every call, and
+    a missing key costs os.environ a raised and caught KeyError, ~1-2 us): on POSIX CPython
+    ``os.environ`` keeps its bytes store in ``_data``, updated by every set and delete through
+    ``os.environ`` (``monkeypatch.setenv`` included); anything else takes ``os.environ.get``."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict and _POSIX:
+        value = data.get(name.encode())
+        return None if value is None else os.fsdecode(value)
+    return os.environ.get(name)
 
 
 def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
+    value = _getenv(name)
     if value is None or value == "":
         return default
     return value.strip().lower() not in ("0", "false", "no", "off")
@@ -67,15 +80,18 @@ def check_tensor(x: object, name: str) -> torch.Tensor:
     return x
 
 
-def check_logits(logits: torch.Tensor, name: str = "logits", *, check_finite: bool | None = None) -> None:
-    """logits: [T, V] float32|bfloat16|float16, contiguous along V (stride(1) == 1), T, V > 0."""
+def check_logits(logits: torch.Tensor, name: str = "logits", *, check_finite: bool | None = None) -> tuple[int, int]:
+    """logits: [T, V] float32|bfloat16|float16, contiguous along V (stride(1) == 1), T, V > 0.
+    Returns ``(T, V)``."""
     check_tensor(logits, name)
-    if logits.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [T, V], got shape {tuple(logits.shape)}")
+    shape = logits.shape  # read once: every read builds a torch.Size (host time of small calls)
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be 2-D [T, V], got shape {tuple(shape)}")
     if logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"{name} dtype must be one of float32/bfloat16/float16, got {logits.dtype}")
-    if logits.shape[0] == 0 or logits.shape[1] == 0:
-        raise ValueError(f"{name} is empty: shape {tuple(logits.shape)} (T and V must be > 0)")
+    num_tokens, vocab = shape
+    if num_tokens == 0 or vocab == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(shape)} (T and V must be > 0)")
     if logits.stride(1) != 1:
         raise ValueError(
             f"{name} must be contiguous along the vocab dimension (stride(1) == 1), got strides "
@@ -85,6 +101,7 @@ def check_logits(logits: torch.Tensor, name: str = "logits", *, check_finite: bo
         check_finite = finite_check_enabled()
     if check_finite:
         check_all_finite(logits, name)
+    return num_tokens, vocab
 
 
 def check_all_finite(x: torch.Tensor, name: str) -> None:
@@ -105,7 +122,7 @@ def check_target_ids(
     check_tensor(ids, name)
     if ids.dtype not in ID_DTYPES:
         raise ValueError(f"{name} dtype must be int64 or int32, got {ids.dtype}")
-    if ids.dim() != 1 or ids.shape[0] != num_tokens:
+    if ids.shape != (num_tokens,):
         raise ValueError(f"{name} must have shape [{num_tokens}] (one id per logits row), got {tuple(ids.shape)}")
     if ids.device != device:
         raise ValueError(f"{name} is on {ids.device} but logits are on {device}")
@@ -124,7 +141,7 @@ def check_token_vector(
 ) -> None:
     """x: [T] on ``device``; floating point when ``floating``."""
     check_tensor(x, name)
-    if x.dim() != 1 or x.shape[0] != num_tokens:
+    if x.shape != (num_tokens,):
         raise ValueError(f"{name} must have shape [{num_tokens}], got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but expected {device}")

@@ -4,7 +4,8 @@
 with ``logp_t = z_{t,id} - logsumexp(z_t)``, ``z = logits / temperature``.
 
 Forward: one program per row reads the row once in vocab tiles with an online max / sum-exp
-(no [T, V] intermediate); it stores the row max ``m`` and ``S`` (fp32 [T]) for the backward.
+(no [T, V] intermediate); it stores the row max ``m`` and ``S`` (fp32 [T]) for the backward
+(``STATS``; a call with nothing to differentiate stores the log-prob only).
 Backward: one program per row recomputes ``softmax = exp(z - m) / S`` tile by tile and writes
 ``dlogits = g * (onehot - softmax) / temperature`` once, in the logits dtype (fp32 math, one
 rounding at the store).
@@ -22,9 +23,15 @@ into ~1e-6 gradient errors at |z| ~ 20. ``temperature == 1`` skips the division 
 Row invariance: a row is reduced by one program over tiles in a fixed order, and the tile size
 depends only on V and the dtype, so a row's results do not depend on T, its position or padding.
 Rows whose id equals ``ignore_index`` give logp 0 and a zero gradient.
+
+Host time: small calls are launch-bound, so the kernels launch through ``kernels.launch``
+(Triton's Python launcher skipped on repeat calls) and a call with nothing to differentiate skips
+``autograd.Function`` and makes one [T] allocation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -32,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels import validation
+from kernels.launch import CachedLaunch
 
 
 def vocab_block(vocab: int, dtype: torch.dtype, *, read_only: bool = False) -> tuple[int, int]:
@@ -46,6 +54,12 @@ def vocab_block(vocab: int, dtype: torch.dtype, *, read_only: bool = False) -> t
     if read_only and dtype != torch.float32:
         num_warps = 4
     return block, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_block(vocab: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``vocab_block(vocab, dtype, read_only=True)``, memoized (host time of small calls)."""
+    return vocab_block(vocab, dtype, read_only=True)
 
 
 @triton.jit
@@ -103,7 +117,7 @@ def row_write_grad(
 def _logp_fwd_kernel(
     logits_ptr, ids_ptr, out_ptr, max_ptr, sumexp_ptr,
     stride_row, vocab, vocab_start, ignore_index, temperature,
-    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PARTIAL: tl.constexpr, STATS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -111,8 +125,9 @@ def _logp_fwd_kernel(
     m, s = row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V, SCALE)
     owned, z_t = row_target(row_ptr, target_id, vocab_start, vocab, temperature, SCALE)
     ignored = target_id == ignore_index
-    tl.store(max_ptr + row, m)
-    tl.store(sumexp_ptr + row, s)
+    if STATS:
+        tl.store(max_ptr + row, m)
+        tl.store(sumexp_ptr + row, s)
     if PARTIAL:
         # vocab-parallel: local statistics; the target partial is z_t on the owning shard only
         tl.store(out_ptr + row, tl.where(owned & (~ignored), z_t, 0.0))
@@ -137,17 +152,33 @@ def _logp_bwd_kernel(
     )
 
 
+_FWD = CachedLaunch(_logp_fwd_kernel)
+_BWD = CachedLaunch(_logp_bwd_kernel)
+
+
 def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial):
     num_tokens, vocab = logits.shape
     # one allocation for the three [T] outputs (host time: small calls are launch-bound)
-    out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device)
-    block, warps = vocab_block(vocab, logits.dtype, read_only=True)
-    _logp_fwd_kernel[(num_tokens,)](
-        logits, ids, out, row_max, row_sumexp,
+    out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device).unbind()
+    block, warps = _forward_block(vocab, logits.dtype)
+    _FWD.launch(
+        (num_tokens,), logits, ids, out, row_max, row_sumexp,
         logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
-        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, num_warps=warps,
+        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, STATS=True, num_warps=warps,
     )
     return out, row_max, row_sumexp
+
+
+def _logp_values(logits, ids, temperature, ignore_index, num_tokens, vocab, device):
+    """logp only (no statistics for a backward): one [T] allocation, passed for the unused
+    statistics pointers too (``STATS=False`` compiles their stores out)."""
+    out = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    block, warps = _forward_block(vocab, logits.dtype)
+    _FWD.launch(
+        (num_tokens,), logits, ids, out, out, out, logits.stride(0), vocab, 0, ignore_index, temperature,
+        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=False, STATS=False, num_warps=warps,
+    )
+    return out
 
 
 def launch_logp_backward(
@@ -158,8 +189,8 @@ def launch_logp_backward(
     ``row_max`` / ``sumexp``: the (global) row max and sum of exp(z - max), fp32 [T]."""
     num_tokens, vocab = logits.shape
     block, warps = vocab_block(vocab, logits.dtype)
-    _logp_bwd_kernel[(num_tokens,)](
-        logits, grad_logits, ids, grad_out, row_max, sumexp,
+    _BWD.launch(
+        (num_tokens,), logits, grad_logits, ids, grad_out, row_max, sumexp,
         logits.stride(0), grad_logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
         BLOCK_V=block, SCALE=temperature != 1.0, num_warps=warps,
     )
@@ -217,11 +248,14 @@ def logp(
 ) -> torch.Tensor:
     """Selected log-prob (see module docstring). logits [T, V] (or [T, V_local] with ``tp_group``),
     target_ids [T] global ids -> fp32 [T], differentiable w.r.t. ``logits``."""
-    validation.check_logits(logits)
+    num_tokens, vocab = validation.check_logits(logits)
     validation.check_temperature(temperature)
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
-    validation.check_target_ids(target_ids, logits.shape[0], logits.shape[1] * world, logits.device, ignore_index)
+    device = logits.device
+    validation.check_target_ids(target_ids, num_tokens, vocab * world, device, ignore_index)
     if not (logits.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip autograd.Function's bookkeeping (~20 us of host time)
+        if tp_group is None:
+            return _logp_values(logits, target_ids, float(temperature), int(ignore_index), num_tokens, vocab, device)
         return logp_forward_stats(logits, target_ids, float(temperature), int(ignore_index), tp_group)[0]
     return LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)

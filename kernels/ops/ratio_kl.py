@@ -5,7 +5,10 @@ all fp32 [T] (mask bool or float): ``ratio = exp(logp - old) * mask``;
 ``kl = compute_kl(logp, ref, kl_type, use_unbiased_kl) * mask`` (see kernels/reference/kl.py).
 Backward (to ``logp`` only): ``g_ratio * ratio + g_kl * dkl/dlogp * mask``, recomputed from the
 inputs (nothing [T]-sized is saved beyond the inputs). ``kl_value_and_grad`` is the KL math shared
-with the fused GRPO loss kernel.
+with the fused GRPO loss kernel. The kernels read the mask in its own dtype (no converted copy).
+
+Host time: small calls are launch-bound, so the kernels launch through ``kernels.launch`` and a
+call with nothing to differentiate skips ``autograd.Function``.
 """
 
 from __future__ import annotations
@@ -14,16 +17,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import CachedLaunch
 from kernels.reference.kl import KL_TYPES, check_kl_type
 from kernels.reference.ratio_kl import check_ratio_kl_inputs
 
 ELEMENTWISE_BLOCK = 1024
+_KL_CODES = {name: code for code, name in enumerate(KL_TYPES)}
 
 
 def kl_type_code(kl_type: str) -> int:
     """Constexpr code of a KL type for the kernels (index in KL_TYPES)."""
-    check_kl_type(kl_type)
-    return KL_TYPES.index(kl_type)
+    code = _KL_CODES.get(kl_type) if isinstance(kl_type, str) else None
+    if code is None:
+        check_kl_type(kl_type)  # raises, naming the accepted types
+    return code
 
 
 @triton.jit
@@ -87,18 +94,28 @@ def _ratio_kl_bwd_kernel(
 
 
 def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, ELEMENTWISE_BLOCK),)
+    return ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)
+
+
+_FWD = CachedLaunch(_ratio_kl_fwd_kernel)
+_BWD = CachedLaunch(_ratio_kl_bwd_kernel)
+
+
+def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
+    n = logp.shape[0]
+    ratio = torch.empty_like(logp)
+    kl = torch.empty_like(logp)
+    _FWD.launch(
+        _grid(n), logp, old_logp, ref_logp, mask, ratio, kl, n,
+        BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased,
+    )
+    return ratio, kl
 
 
 class RatioKLFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, old_logp, ref_logp, mask, kl_code, unbiased):  # type: ignore[override]
-        n = logp.shape[0]
-        ratio = torch.empty_like(logp)
-        kl = torch.empty_like(logp)
-        _ratio_kl_fwd_kernel[_grid(n)](
-            logp, old_logp, ref_logp, mask, ratio, kl, n, BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased
-        )
+        ratio, kl = _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased)
         ctx.save_for_backward(logp, old_logp, ref_logp, mask)
         ctx.kl_code, ctx.unbiased = kl_code, unbiased
         return ratio, kl
@@ -110,8 +127,8 @@ class RatioKLFunction(torch.autograd.Function):
         g_kl = torch.zeros_like(logp) if g_kl is None else g_kl.contiguous()
         grad = torch.empty_like(logp)
         n = logp.shape[0]
-        _ratio_kl_bwd_kernel[_grid(n)](
-            logp, old_logp, ref_logp, mask, g_ratio, g_kl, grad, n,
+        _BWD.launch(
+            _grid(n), logp, old_logp, ref_logp, mask, g_ratio, g_kl, grad, n,
             BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=ctx.kl_code, UNBIASED=ctx.unbiased,
         )
         return grad, None, None, None, None, None
@@ -129,7 +146,8 @@ def ratio_kl(
     """logp, old_logp, ref_logp: [T] fp32 contiguous; mask [T] bool|float -> (ratio, kl) fp32 [T]."""
     code = kl_type_code(kl_type)
     check_ratio_kl_inputs(logp, old_logp, ref_logp, mask)
-    mask_f = mask.to(torch.float32).contiguous()
-    return RatioKLFunction.apply(
-        logp.contiguous(), old_logp.contiguous(), ref_logp.contiguous(), mask_f, code, bool(use_unbiased_kl)
-    )
+    inputs = (logp.contiguous(), old_logp.contiguous(), ref_logp.contiguous(), mask.contiguous(), code,
+              bool(use_unbiased_kl))
+    if not (logp.requires_grad and torch.is_grad_enabled()):
+        return _forward(*inputs)  # nothing to differentiate: no autograd.Function bookkeeping
+    return RatioKLFunction.apply(*inputs)

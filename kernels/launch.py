@@ -1,0 +1,284 @@
+"""Launch a ``@triton.jit`` kernel without Triton's Python launcher on repeat calls (host time).
+
+Small calls of our ops are launch-bound: ``kernel[grid](...)`` alone costs 15-35 us of host time
+per call on our GPU hosts (binding and specializing every argument, building the cache key and
+the launch metadata) before the C launcher runs. :class:`CachedLaunch` makes the first call with a
+given specialization through ``kernel[grid](...)`` (which compiles or finds the kernel and returns
+Triton's ``CompiledKernel``), stores that kernel under a key of its own, and on a key hit calls the
+compiled kernel's C launch function directly on the current stream, as ``JITFunction.run`` would.
+
+The key must be at least as fine as Triton's specialization, so that a hit never reuses a kernel
+compiled for other arguments. It holds the current CUDA device (Triton keeps one kernel cache per
+device), the Python type of every argument, and:
+
+* a tensor: its dtype, whether ``data_ptr()`` is 16-byte aligned, and whether it is a CUDA tensor;
+* an ``int``: ``== 1`` (a constexpr to Triton), ``% 16 == 0``, and its width (i32 / i64 / u64);
+* a ``float`` (fp32), ``bool`` (u1) or ``None``: nothing more (Triton does not look at the value);
+* a constexpr argument and a launch option (``num_warps``, ``num_stages``, ...): its value.
+
+A hit passes tensors to the C launcher as their pointers (read once, for the key): Triton's own
+check that a pointer is device memory ran on the first call, and a tensor that is not on a CUDA
+device has a key of its own. Other argument types (a tensor subclass, a numpy scalar, a tuple)
+take the normal launch, as do unhashable constexprs or options, a grid that is not a tuple, calls
+under ``torch.compile`` tracing (dynamo knows ``kernel[grid](...)``), calls while a launch hook
+is set (a profiler such as proton) or Triton's debug / instrumentation knobs are on, kernels with
+pre-run hooks, and kernels that need a scratch buffer. Not repeated on a hit: Triton's check that
+the global values a kernel reads did not change since it was compiled (our kernels read none).
+
+Per argument-type pattern, the key is built by a small function generated from the kernel's
+signature (as Triton's own binder is): a loop over the arguments in Python costs several us more
+on our hosts.
+
+The fast path is off (every call is ``kernel[grid](...)``) for interpreted kernels
+(``TRITON_INTERPRET=1``, CPU CI: silently, that is the expected mode), with
+``VIME_RL_KERNEL_FAST_LAUNCH=0`` (read once, at import), for a Triton version whose launcher was
+not read for this (:data:`VERIFIED_TRITON`), and when Triton's internals are not as expected; each
+such reason is logged ONCE as a warning and kept in :func:`disabled_reason`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+logger = logging.getLogger("kernels")
+
+# Triton versions whose JITFunction.run, CompiledKernel and CudaLauncher were read for this module:
+# CudaLauncher.launch takes (grid x, y, z, stream, function, cooperative, pdl, global scratch,
+# profile scratch, packed metadata, launch metadata, enter hook, exit hook, then every kernel
+# argument in signature order, constexprs included; a pointer as a tensor or an int).
+VERIFIED_TRITON = ("3.6.",)
+ENV_SWITCH = "VIME_RL_KERNEL_FAST_LAUNCH"
+
+# why the fast path is off in this process (None: on, or not decided yet)
+_disabled: str | None = (
+    f"switched off by {ENV_SWITCH}" if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
+    else None
+)
+_runtime: _Runtime | None = None  # Triton's entry points, resolved at the first compiled launch
+# under torch.compile, dynamo traces ``kernel[grid](...)`` (a user-defined Triton kernel) as before
+_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+
+
+def disabled_reason() -> str | None:
+    """Why the fast path is off in this process, or None."""
+    return _disabled
+
+
+def _disable(reason: str) -> None:
+    """Turn the fast path off for this process and say so, once."""
+    global _disabled, _runtime
+    _runtime = None
+    if _disabled is None:
+        _disabled = reason
+        logger.warning("kernels: fast kernel launch off, every launch goes through Triton's launcher: %s", reason)
+
+
+class _Runtime:
+    """Triton's and torch's entry points the fast path uses, checked once (version, attributes)."""
+
+    def __init__(self) -> None:
+        version = triton.__version__
+        if not version.startswith(VERIFIED_TRITON):
+            raise RuntimeError(f"triton {version} is not a verified version ({', '.join(VERIFIED_TRITON)}x)")
+        from triton import knobs
+        from triton.knobs import HookChain
+        from triton.runtime.driver import driver
+
+        active = driver.active
+        # Triton's get_current_device is torch.cuda.current_device: the lazy-init check, then this
+        self.get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", active.get_current_device)
+        self.get_stream: Callable[[int], int] = active.get_current_stream
+        self.runtime_knobs, self.compilation_knobs, self.hook_chain = knobs.runtime, knobs.compilation, HookChain
+        self.plain()
+
+    def plain(self) -> bool:
+        """No launch hook to call (both hooks empty chains), no debug or instrumentation mode."""
+        knobs, chain = self.runtime_knobs, self.hook_chain
+        enter, exit_ = knobs.launch_enter_hook, knobs.launch_exit_hook
+        return (
+            type(enter) is chain and not enter.calls and type(exit_) is chain and not exit_.calls
+            and not knobs.debug and not self.compilation_knobs.instrumentation_mode
+        )
+
+
+def _resolve_runtime() -> _Runtime | None:
+    global _runtime
+    if _runtime is None and _disabled is None:
+        try:
+            _runtime = _Runtime()
+        except Exception as exc:  # any surprise in Triton's internals: off, loudly
+            _disable(f"{type(exc).__name__}: {exc}")
+    return _runtime if _disabled is None else None
+
+
+def _kind(value: Any) -> str | None:
+    """The argument-type class the key models, or None for a type it does not."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        return "tensor"
+    if kind in (int, float, bool):
+        return kind.__name__
+    return "none" if value is None else None
+
+
+def binder_source(params: list[tuple[str, bool]], kinds: tuple[str, ...]) -> str:
+    """Source of ``bind(*args, **kwargs) -> (key, launch arguments) | None`` for one pattern of
+    argument types; ``params``: (name, is constexpr) in signature order, ``kinds``: the ``_kind``
+    of each runtime parameter. It returns None when an argument's type is not the pattern's.
+    Its own names start with ``_rlk_`` (kernel parameters may not).
+
+    For ``k(x_ptr, n, BLOCK: tl.constexpr)`` and (tensor, int) the body is::
+
+        if type(x_ptr) is not _rlk_Tensor or type(n) is not int:
+            return None
+        _rlk_p0 = x_ptr.data_ptr()
+        return (_rlk_pattern, x_ptr.dtype, _rlk_p0 % 16 == 0, x_ptr.is_cuda, n == 1, n % 16 == 0,
+                _rlk_I32_MIN <= n <= _rlk_I32_MAX, n >= _rlk_U64_MIN, BLOCK, *_rlk_options.items()),
+                (_rlk_p0, n, BLOCK,)
+    """
+    checks, lines, key, args = [], [], ["_rlk_pattern"], []
+    runtime = iter(kinds)
+    for i, (name, constexpr) in enumerate(params):
+        if name.startswith("_rlk_"):
+            raise ValueError(f"kernel parameter {name!r}: names starting with _rlk_ are reserved")
+        args.append(name)
+        if constexpr:
+            key.append(name)
+            continue
+        kind = next(runtime)
+        if kind == "tensor":
+            checks.append(f"type({name}) is not _rlk_Tensor")
+            lines.append(f"_rlk_p{i} = {name}.data_ptr()")
+            key += [f"{name}.dtype", f"_rlk_p{i} % 16 == 0", f"{name}.is_cuda"]
+            args[-1] = f"_rlk_p{i}"
+        elif kind == "none":
+            checks.append(f"{name} is not None")
+        else:
+            checks.append(f"type({name}) is not {kind}")
+            if kind == "int":
+                key += [f"{name} == 1", f"{name} % 16 == 0", f"_rlk_I32_MIN <= {name} <= _rlk_I32_MAX",
+                        f"{name} >= _rlk_U64_MIN"]
+    signature = ", ".join(name for name, _ in params)
+    body = [f"if {' or '.join(checks)}:\n        return None"] if checks else []
+    body += lines
+    body.append(f"return ({', '.join(key)}, *_rlk_options.items()), ({', '.join(args)},)")
+    return f"def bind({signature}, **_rlk_options):\n    " + "\n    ".join(body) + "\n"
+
+
+class CachedLaunch:
+    """``CachedLaunch(kernel).launch(grid, *args, **kwargs)`` == ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._cache: dict[tuple, tuple] = {}
+        self._binders: dict[tuple[str, ...], Callable[..., Any]] = {}
+        self._bind: Callable[..., Any] = lambda *args, **kwargs: None
+        self._params: list[tuple[str, bool]] = []
+        self._defaults: dict[str, Any] = {}
+        from triton.runtime.jit import JITFunction
+
+        # interpreted kernels (TRITON_INTERPRET=1) and anything that is not a plain JITFunction
+        # (an autotuner, ...) always take the normal launch
+        self._compiled = isinstance(kernel, JITFunction)
+        if self._compiled:
+            try:
+                self._params = [(p.name, bool(p.is_constexpr)) for p in kernel.params]
+                self._defaults = {p.name: p.default for p in kernel.params if p.has_default}
+                list(kernel.pre_run_hooks)
+            except (AttributeError, TypeError) as exc:
+                self._compiled = False
+                _disable(f"{kernel}: JITFunction is not as expected ({type(exc).__name__}: {exc})")
+
+    def bind(self, *args: Any, **kwargs: Any) -> tuple[tuple, tuple] | None:
+        """(key, launch arguments) of a call, or None if it has an argument type the key does not
+        model; raises TypeError for arguments that do not fit the kernel's signature."""
+        bound = self._bind(*args, **kwargs)
+        if bound is None:  # another pattern of argument types: its binder, generated once
+            kinds = self._kinds(args, kwargs)
+            if kinds is None:
+                return None
+            if kinds not in self._binders:
+                namespace = {"_rlk_Tensor": torch.Tensor, "_rlk_pattern": kinds, "_rlk_I32_MIN": -(2**31),
+                             "_rlk_I32_MAX": 2**31 - 1, "_rlk_U64_MIN": 2**63}
+                exec(binder_source(self._params, kinds), namespace)  # noqa: S102 (our own generated source)
+                bind = namespace["bind"]
+                bind.__defaults__ = self._signature_defaults()
+                self._binders[kinds] = bind
+            self._bind = self._binders[kinds]
+            bound = self._bind(*args, **kwargs)
+        return bound
+
+    def _signature_defaults(self) -> tuple | None:
+        trailing = []
+        for name, _ in reversed(self._params):
+            if name not in self._defaults:
+                break
+            trailing.append(self._defaults[name])
+        return tuple(reversed(trailing)) or None
+
+    def _kinds(self, args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
+        names = [name for name, _ in self._params]
+        values = dict(zip(names, args))
+        values.update((k, v) for k, v in kwargs.items() if k in names)
+        kinds = []
+        for name, constexpr in self._params:
+            if not constexpr:
+                kind = _kind(values.get(name, self._defaults.get(name)))
+                if kind is None:
+                    return None
+                kinds.append(kind)
+        return tuple(kinds)
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        """Launch on the current device and stream, as ``kernel[grid](*args, **kwargs)`` does."""
+        runtime = _runtime
+        if runtime is None or not self._compiled or type(grid) is not tuple or _is_compiling() or not runtime.plain():
+            self._launch_normally(grid, args, kwargs, runtime)
+            return
+        try:
+            bound = self._bind(*args, **kwargs)  # the binder of the last pattern of argument types
+            if bound is None:
+                bound = self.bind(*args, **kwargs)
+            device = runtime.get_device()
+            key = (device, bound[0]) if bound is not None else None
+            entry = self._cache.get(key) if key is not None else None
+        except TypeError:  # arguments that do not fit (Triton names them), an unhashable constexpr
+            key = entry = None
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and not self.kernel.pre_run_hooks:
+                self._store(key, compiled)
+            return
+        launch, function, cooperative, pdl, packed_metadata = entry
+        size = len(grid)
+        launch(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, runtime.get_stream(device),
+               function, cooperative, pdl, None, None, packed_metadata, None, None, None, *bound[1])
+
+    def _launch_normally(self, grid: Any, args: tuple, kwargs: dict[str, Any], runtime: _Runtime | None) -> None:
+        self.kernel[grid](*args, **kwargs)
+        if runtime is None and self._compiled:
+            _resolve_runtime()  # the first compiled launch in this process: check Triton once
+
+    def _store(self, key: tuple, compiled: Any) -> None:
+        """Keep what the normal launch compiled (and just launched, so its handles are loaded)."""
+        if compiled is None or hasattr(compiled, "result"):  # skipped by a jit hook, or still compiling
+            return
+        try:
+            launcher, function, packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+            launch, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+            scratch = launcher.global_scratch_size, launcher.profile_scratch_size
+        except AttributeError as exc:
+            _disable(f"Triton's compiled kernel or its launcher has no attribute {exc.name!r}")
+            return
+        if not callable(launch) or function is None:
+            _disable(f"Triton's compiled kernel is not loaded after a launch ({launch=}, {function=})")
+            return
+        if any(scratch):  # the launcher allocates scratch per call: keep Triton's launcher
+            return
+        self._cache[key] = (launch, function, cooperative, pdl, packed_metadata)
