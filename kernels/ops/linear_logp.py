@@ -33,6 +33,16 @@ Two implementations of the tile work, same math and results:
   ``_fwd_tile_kernel`` / ``_dlogits_kernel``: one program per tile, pointer loads. fp32 inputs, the
       CPU interpreter, pre-Hopper GPUs, unaligned operands and ``RLK_LINEAR_LOGP_TMA=0``.
 
+Saved first chunk: when a backward will follow (grad enabled and an input requires grad), the forward
+allocates the backward's chunk buffer and, for the tiles of the first chunk's columns, also writes
+q = exp(z - tile row max) there (the value its sum-exp already computed; a TMA store). The backward
+turns q into that chunk's dlogits in place (``_saved_dlogits_kernel``: p = q * exp(tile max - lse);
+the target column's p from the fp32 target logit) instead of recomputing the chunk: one chunk's
+GEMM fewer (1/9 of a product at the issue's shape), no extra workspace (the buffer is the one the
+backward needs anyway; it is allocated in the forward instead), and q is rounded to the input dtype
+once more than a recomputed dlogits (relative 2^-9 in bf16, the same order as dlogits' own rounding).
+``RLK_LINEAR_LOGP_SAVE_CHUNK=0`` recomputes every chunk; a second backward over the same graph does.
+
 Backward, per vocab chunk of at most ``BACKWARD_WORKSPACE_BYTES`` (132 MiB) of dlogits, the chunk
 columns spread evenly over the fewest chunks:
     dlogits kernel        recomputes the logits tile (same fp32 math as the forward) and writes
@@ -42,10 +52,11 @@ columns spread evenly over the fewest chunks:
     cuBLAS mm             dW_chunk = dlogits_chunk^T @ H  (fp32 accumulate over all T, one store)
     db_chunk = dlogits_chunk.sum(0) in fp32.
 (``RLK_LINEAR_LOGP_BWD_MATMUL=triton`` runs dH/dW in our ``_matmul_kernel`` instead.)
-Workspace beyond inputs and returned gradients: the chunk buffer (<= 132 MiB), dH32 (T*H*4 bytes,
-67 MB at 4096 x 4096), db32, and in the forward the partials (2 * n_vocab_tiles * T * 4 bytes,
-19.5 MB at T = 4096, V = 151936, bf16; freed before the backward): ``workspace_bytes`` adds them all
-up, 226 MB (bf16) / 245 MB (fp32) at the issue's shape, inside the 256 MB budget (a test checks it).
+Workspace beyond inputs and returned gradients: the chunk buffer (<= 132 MiB; from the forward on
+when it saves the first chunk), dH32 (T*H*4 bytes, 67 MB at 4096 x 4096), db32, the saved chunk's
+tile maxima (1.1 MB), and in the forward the partials (2 * n_vocab_tiles * T * 4 bytes, 19.5 MB at
+T = 4096, V = 151936, bf16; freed before the backward): ``workspace_bytes`` adds them all up, 227 MB
+(bf16) / 246 MB (fp32) at the issue's shape, inside the 256 MB budget (a test checks it).
 
 GPU tuning knobs (environment, read at each call; defaults are the configs below):
 ``RLK_LINEAR_LOGP_TILES`` / ``RLK_LINEAR_LOGP_MATMUL_TILES`` = "BLOCK_T,BLOCK_V,BLOCK_K,warps,stages"
@@ -53,7 +64,8 @@ for the logits-tile kernels (TMA or pointer) / our backward matmul; ``RLK_LINEAR
 the pointer kernels on Hopper too; ``RLK_LINEAR_LOGP_BWD_MATMUL=triton|torch`` picks the backward's
 dH/dW matmuls (default ``torch``, see ``_bwd_matmul``); ``RLK_LINEAR_LOGP_GROUP_T=N`` (token tiles
 per group in the TMA kernel's tile order) is an alternative that measured no faster on an H100 (as
-did a [chunk, T] dlogits layout, removed: docs/linear_logp.md).
+did a [chunk, T] dlogits layout, removed: docs/linear_logp.md); ``RLK_LINEAR_LOGP_SAVE_CHUNK=0|1``
+turns the saved first chunk off / on (default on).
 """
 
 from __future__ import annotations
@@ -165,12 +177,38 @@ def _upcast_operands(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 
 
+SAVE_CHUNK_ENV = "RLK_LINEAR_LOGP_SAVE_CHUNK"  # "0": the backward recomputes every chunk
+# The forward, when a backward will follow, keeps the first backward chunk's exp(z - tile max) in the
+# backward's chunk buffer (no extra workspace: the buffer exists in the backward anyway), so the
+# backward recomputes one chunk fewer. RLK_LINEAR_LOGP_SAVE_CHUNK overrides it.
+SAVE_CHUNK = True
+
+
+def _flag_from_env(name: str, default: bool, on: str = "1", off: str = "0") -> bool:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw not in (on, off):
+        raise ValueError(f"{name}={raw!r}: expected {on!r} or {off!r}")
+    return raw == on
+
+
+def _save_chunk() -> bool:
+    return _flag_from_env(SAVE_CHUNK_ENV, SAVE_CHUNK)
+
+
 TMA_ENV = "RLK_LINEAR_LOGP_TMA"
 # Persistent TMA kernel options (module attributes, for probes). Measured on an H100 (bf16, issue
 # shape, Triton 3.6): flattening the tile and K loops into one pipeline 7.6 ms vs 8.2 ms without;
 # Triton's automatic warp specialization 7.7 ms (kept off); num_ctas=2 does not compile.
 TMA_FLATTEN = True
 TMA_WARP_SPECIALIZE = False
+# Stores of the saved-chunk tiles (forward) / the dlogits tiles (backward): TMA (through a
+# descriptor) or masked pointer stores. Measured on an H100 (bf16, issue shape): the forward that
+# saves the chunk 7.12 ms with TMA stores vs 7.54 ms with pointer stores; the dlogits chunk kernel
+# no faster with TMA stores (0.85 vs 0.83 ms; forward+backward 30.5 vs 29.8 ms interleaved).
+TMA_STORE_Q = True
+TMA_STORE_DLOGITS = False
 # Token tiles per group in the tile order (>= n_t: token tile fastest over all T, the default; 8 and
 # 4 measured no faster). RLK_LINEAR_LOGP_GROUP_T overrides it.
 TMA_GROUP_T = 1 << 30
@@ -261,10 +299,11 @@ def _logits_tile(
 @triton.jit
 def _fwd_tile_kernel(
     hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr,
-    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr,
-    T, V_local, H,
-    stride_ht, stride_wv, inv_temperature,
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, q_ptr,
+    T, V_local, H, q_cols,
+    stride_ht, stride_wv, stride_qt, inv_temperature,
+    HAS_BIAS: tl.constexpr, STORE_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # token tile fastest: co-resident programs share weight tiles in L2
@@ -278,9 +317,14 @@ def _fwd_tile_kernel(
     )
     # Every vocab tile holds at least one real column, so the row max is finite.
     row_max = tl.max(z, axis=1)
-    row_sumexp = tl.sum(tl.exp(z - row_max[:, None]), axis=1)
+    e = tl.exp(z - row_max[:, None])
+    row_sumexp = tl.sum(e, axis=1)
     tl.store(tile_max_ptr + pid_v * T + offs_t, row_max, mask=mask_t)
     tl.store(tile_sumexp_ptr + pid_v * T + offs_t, row_sumexp, mask=mask_t)
+    if STORE_Q:  # the saved first chunk (see _tma_tiles_kernel)
+        if pid_v * BLOCK_V < q_cols:
+            q_ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_v[None, :]
+            tl.store(q_ptrs, e.to(q_ptr.dtype.element_ty), mask=mask_t[:, None] & (offs_v < q_cols)[None, :])
     # Local id of the target (out of range on other shards / ignored rows): only the owner stores.
     local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
     is_target = offs_v[None, :] == local_id[:, None]
@@ -321,10 +365,11 @@ def _dlogits_kernel(
 
 @triton.jit
 def _tma_tiles_kernel(
-    h_desc, w_desc, bias_ptr, local_ids_ptr, lse_ptr, grad_ptr,
-    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, dlogits_ptr,
-    T, V_local, H, col_start, n_cols, stride_dt, inv_temperature, group_t,
-    DLOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    h_desc, w_desc, out_desc, bias_ptr, local_ids_ptr, lse_ptr, grad_ptr,
+    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, out_ptr,
+    T, V_local, H, col_start, n_cols, q_cols, stride_ot, inv_temperature, group_t,
+    DLOGITS: tl.constexpr, STORE_Q: tl.constexpr, TMA_STORE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -333,8 +378,12 @@ def _tma_tiles_kernel(
     operands fed by TMA descriptors (out-of-range rows/columns arrive as zeros).
 
     DLOGITS = False (forward, col_start = 0, n_cols = V_local): per-tile row max / sum-exp partials
-    and the target logit, as ``_fwd_tile_kernel``. DLOGITS = True (backward): the dlogits tile of
-    ``_dlogits_kernel`` into the chunk buffer (column c of the buffer = vocab column col_start + c).
+    and the target logit, as ``_fwd_tile_kernel``; with STORE_Q also, for the tiles of the first
+    ``q_cols`` columns, ``exp(z - tile row max)`` into ``out`` ([T, >= q_cols], the backward's first
+    chunk, saved so that the backward need not recompute it). DLOGITS = True (backward): the dlogits
+    tile of ``_dlogits_kernel`` into ``out``, the chunk buffer (column c = vocab column col_start + c).
+    The tile goes to ``out`` through ``out_desc`` (TMA_STORE: a TMA store, clipped at the
+    descriptor's [T, columns] shape) or through masked pointer stores.
     Tile order: groups of group_t (<= n_t) token tiles sweep the vocab tiles, token tile fastest, so the
     programs resident together share weight tiles (and the group's hidden rows) in L2."""
     n_t = tl.cdiv(T, BLOCK_T)
@@ -369,17 +418,58 @@ def _tma_tiles_kernel(
             g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)
             prob = tl.exp(z - lse[:, None])
             onehot = (offs_v[None, :] == local_id[:, None]).to(tl.float32)
-            dlogits = (g * inv_temperature)[:, None] * (onehot - prob)
-            out_ptrs = dlogits_ptr + offs_t.to(tl.int64)[:, None] * stride_dt + offs_c[None, :]
-            tl.store(out_ptrs, dlogits.to(dlogits_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+            dlogits = ((g * inv_temperature)[:, None] * (onehot - prob)).to(out_ptr.dtype.element_ty)
+            if TMA_STORE:
+                out_desc.store([off_t, off_c], dlogits)
+            else:
+                out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_c[None, :]
+                tl.store(out_ptrs, dlogits, mask=mask_t[:, None] & mask_c[None, :])
         else:
             row_max = tl.max(z, axis=1)
-            row_sumexp = tl.sum(tl.exp(z - row_max[:, None]), axis=1)
+            e = tl.exp(z - row_max[:, None])
+            row_sumexp = tl.sum(e, axis=1)
             tl.store(tile_max_ptr + pid_v * T + offs_t, row_max, mask=mask_t)
             tl.store(tile_sumexp_ptr + pid_v * T + offs_t, row_sumexp, mask=mask_t)
-            target = tl.sum(tl.where(offs_v[None, :] == local_id[:, None], z, 0.0), axis=1)
+            if STORE_Q:
+                if off_c < q_cols:
+                    q = e.to(out_ptr.dtype.element_ty)
+                    if TMA_STORE:
+                        out_desc.store([off_t, off_c], q)
+                    else:
+                        q_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_c[None, :]
+                        tl.store(q_ptrs, q, mask=mask_t[:, None] & (offs_c < q_cols)[None, :])
             owns = mask_t & (local_id >= off_c) & (local_id < off_c + BLOCK_V) & (local_id < n_cols)
+            target = tl.sum(tl.where(offs_v[None, :] == local_id[:, None], z, 0.0), axis=1)
             tl.store(target_logit_ptr + offs_t, target, mask=owns)
+
+
+@triton.jit
+def _saved_dlogits_kernel(
+    q_ptr, tile_max_ptr, lse_ptr, grad_ptr, target_logit_ptr, local_ids_ptr,
+    T, n_cols, stride_qt, inv_temperature,
+    TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """In place: the forward's saved q = exp(z - m_tile) (columns [0, n_cols)) becomes dlogits
+    = g * (onehot - q * exp(m_tile - lse)) / temperature; in the target column the probability is
+    exp(target_logit - lse), from the fp32 target logit (exact, no rounded q). BLOCK_C divides TILE_V,
+    so one block of columns shares one forward tile (one m_tile per row)."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_c < n_cols)[None, :]
+    ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_c[None, :]
+    q = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    m_tile = tl.load(tile_max_ptr + ((pid_c * BLOCK_C) // TILE_V) * T + offs_t, mask=mask_t, other=0.0)
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)
+    p_target = tl.exp(tl.load(target_logit_ptr + offs_t, mask=mask_t, other=0.0) - lse)
+    local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
+    is_target = offs_c[None, :] == local_id[:, None]
+    prob = q * tl.exp(m_tile - lse)[:, None]
+    d = tl.where(is_target, (1.0 - p_target)[:, None], -prob) * (g * inv_temperature)[:, None]
+    tl.store(ptrs, d.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -459,30 +549,36 @@ def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
 
 
 def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start, n_cols, forward_out=None,
-                  dlogits=None, lse=None, grad_rows=None):
+                  dlogits=None, lse=None, grad_rows=None, saved_q=None, q_cols=0):
     """Runs the logits-tile work over columns [col_start, col_start + n_cols): the forward partials
-    (``forward_out`` = (tile_max, tile_sumexp, target_logit)) or the dlogits chunk (``dlogits``,
-    [T, chunk])."""
+    (``forward_out`` = (tile_max, tile_sumexp, target_logit)), with ``saved_q`` ([T, >= q_cols]) also
+    the first ``q_cols`` columns' exp(z - tile row max), or the dlogits chunk (``dlogits``, [T, chunk])."""
     T, H = hidden.shape
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
     has_bias = bias is not None
     bias_arg = bias if has_bias else hidden
+    store_q = saved_q is not None and q_cols > 0
     precision, upcast = _input_precision(hidden.dtype), _upcast_operands(hidden.dtype)
     if _use_tma(hidden, weight):
         tile_max, tile_sumexp, target_logit = forward_out if forward_out is not None else (hidden,) * 3
         is_dlogits = dlogits is not None
+        out = dlogits if is_dlogits else (saved_q if store_q else None)
         n_tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(n_cols, cfg.block_v)
         programs = min(n_tiles, _num_programs(hidden.device))
+        h_desc = TensorDescriptor.from_tensor(hidden, [cfg.block_t, cfg.block_k])
+        tma_store = out is not None and (TMA_STORE_DLOGITS if is_dlogits else TMA_STORE_Q)
+        out_desc = (TensorDescriptor(out, [T, n_cols if is_dlogits else q_cols], [out.stride(0), 1],
+                                     [cfg.block_t, cfg.block_v]) if tma_store else h_desc)
         _tma_tiles_kernel[(programs,)](
-            TensorDescriptor.from_tensor(hidden, [cfg.block_t, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k]),
+            h_desc, TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k]), out_desc,
             bias_arg, local_ids, lse if is_dlogits else hidden, grad_rows if is_dlogits else hidden,
-            tile_max, tile_sumexp, target_logit, dlogits if is_dlogits else hidden,
-            T, V_local, H, col_start, n_cols, dlogits.stride(0) if is_dlogits else 0, inv_temperature,
+            tile_max, tile_sumexp, target_logit, out if out is not None else hidden,
+            T, V_local, H, col_start, n_cols, q_cols if store_q else 0,
+            out.stride(0) if out is not None else 0, inv_temperature,
             min(_tma_group_t(), triton.cdiv(T, cfg.block_t)),
-            DLOGITS=is_dlogits, HAS_BIAS=has_bias,
-            BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+            DLOGITS=is_dlogits, STORE_Q=store_q, TMA_STORE=tma_store,
+            HAS_BIAS=has_bias, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
             NUM_PROGRAMS=programs, FLATTEN=TMA_FLATTEN, WARP_SPECIALIZE=TMA_WARP_SPECIALIZE,
             INPUT_PRECISION=precision, UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -494,9 +590,11 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
     grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(n_cols, cfg.block_v))
     if dlogits is None:
         tile_max, tile_sumexp, target_logit = forward_out
+        q_arg = saved_q if store_q else hidden
         _fwd_tile_kernel[grid](
-            hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit,
-            T, V_local, H, hidden.stride(0), weight.stride(0), inv_temperature, **common,
+            hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit, q_arg,
+            T, V_local, H, q_cols if store_q else 0,
+            hidden.stride(0), weight.stride(0), q_arg.stride(0), inv_temperature, STORE_Q=store_q, **common,
         )
     else:
         _dlogits_kernel[grid](
@@ -506,16 +604,37 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
         )
 
 
-def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group):
-    """Returns (target_logit [T] fp32, lse [T] fp32), both global over the TP group."""
+@dataclass
+class _SavedChunk:
+    """The forward's gift to the backward: exp(z - tile row max) of vocab columns [0, cols) in the
+    backward's chunk buffer (``q``), and those tiles' row maxima. Consumed (turned into dlogits in
+    place) by the first backward; a second backward over the same graph recomputes instead."""
+    q: torch.Tensor  # [T, chunk] input dtype, columns [0, cols) filled
+    tile_max: torch.Tensor  # [cols / block_v tiles, T] fp32
+    cols: int
+    block_v: int
+
+
+def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, save_chunk=False):
+    """Returns (target_logit [T] fp32, lse [T] fp32, saved chunk or None), target_logit and lse global
+    over the TP group. ``save_chunk``: also keep the first backward chunk's exp(z - tile max)."""
     T = hidden.shape[0]
     V_local = weight.shape[0]
-    n_v = triton.cdiv(V_local, _tile_config(hidden.dtype).block_v)
+    cfg = _tile_config(hidden.dtype)
+    n_v = triton.cdiv(V_local, cfg.block_v)
     tile_max = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     tile_sumexp = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)
+    saved = None
+    if save_chunk:
+        chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
+        q = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
+        saved = _SavedChunk(q=q, tile_max=tile_max, cols=min(chunk, V_local), block_v=cfg.block_v)
     _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=0, n_cols=V_local,
-                  forward_out=(tile_max, tile_sumexp, target_logit))
+                  forward_out=(tile_max, tile_sumexp, target_logit),
+                  saved_q=None if saved is None else saved.q, q_cols=0 if saved is None else saved.cols)
+    if saved is not None:  # keep only the saved tiles' maxima (the partials are freed)
+        saved.tile_max = tile_max[:triton.cdiv(saved.cols, cfg.block_v)].clone()
     row_max = tile_max.max(dim=0).values
     if tp_group is not None:
         torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
@@ -523,7 +642,20 @@ def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group):
     if tp_group is not None:
         torch.distributed.all_reduce(sumexp, op=torch.distributed.ReduceOp.SUM, group=tp_group)
         torch.distributed.all_reduce(target_logit, op=torch.distributed.ReduceOp.SUM, group=tp_group)
-    return target_logit, row_max + torch.log(sumexp)
+    return target_logit, row_max + torch.log(sumexp), saved
+
+
+def _finish_saved_chunk(saved, lse, grad_rows, target_logit, local_ids, inv_temperature):
+    """Turns the saved chunk into the dlogits of columns [0, saved.cols) in place; returns the buffer."""
+    T = saved.q.shape[0]
+    block_t, block_c = (32, min(32, saved.block_v)) if INTERPRETED else (64, min(128, saved.block_v))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(saved.cols, block_c))
+    _saved_dlogits_kernel[grid](
+        saved.q, saved.tile_max, lse, grad_rows, target_logit, local_ids,
+        T, saved.cols, saved.q.stride(0), inv_temperature,
+        TILE_V=saved.block_v, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+    )
+    return saved.q
 
 
 def _vocab_chunk_cols(T: int, V_local: int, element_size: int, block_v: int) -> int:
@@ -551,26 +683,35 @@ def _accumulate_dh(d_hidden32: torch.Tensor, d_chunk: torch.Tensor, w_chunk: tor
         d_hidden32.addmm_(d_chunk, w_chunk)
 
 
-def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, tp_group, needs):
+def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, tp_group, needs,
+              saved=None, target_logit=None):
+    """dH, dW, db chunk by chunk over the vocab. ``saved`` (the forward's first chunk, see
+    ``_SavedChunk``) replaces the recompute of that chunk and is the chunk buffer for the rest."""
     T, H = hidden.shape
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
     need_dh, need_dw, need_db = needs
     use_torch_mm = _bwd_matmul() == "torch"
-    chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
-    dlogits = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
+    if saved is not None:
+        dlogits = _finish_saved_chunk(saved, lse, grad_rows, target_logit, local_ids, inv_temperature)
+        chunk = dlogits.shape[1]
+        chunks = [(0, saved.cols)] + [(s, min(chunk, V_local - s)) for s in range(saved.cols, V_local, chunk)]
+    else:
+        chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
+        dlogits = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
+        chunks = [(s, min(chunk, V_local - s)) for s in range(0, V_local, chunk)]
     alloc = torch.empty if use_torch_mm else torch.zeros  # cuBLAS overwrites on the first chunk
     d_hidden32 = alloc((T, H), dtype=torch.float32, device=hidden.device) if need_dh else None
     d_weight = torch.empty_like(weight) if need_dw else None
     d_bias32 = torch.empty(V_local, dtype=torch.float32, device=hidden.device) if need_db else None
-    for start in range(0, V_local, chunk):
-        cols = min(chunk, V_local - start)
-        _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
-                      dlogits=dlogits, lse=lse, grad_rows=grad_rows)
+    for index, (start, cols) in enumerate(chunks):
+        if index > 0 or saved is None:
+            _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
+                          dlogits=dlogits, lse=lse, grad_rows=grad_rows)
         d_chunk = dlogits[:, :cols]
         if need_dh:
             if use_torch_mm:
-                _accumulate_dh(d_hidden32, d_chunk, weight[start:start + cols], first=start == 0)
+                _accumulate_dh(d_hidden32, d_chunk, weight[start:start + cols], first=index == 0)
             else:
                 _matmul(d_chunk, weight[start:start + cols], d_hidden32, accumulate=True)
         if need_dw:
@@ -591,26 +732,29 @@ def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, 
 
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, temperature, tp_group, vocab_start):
+    def forward(ctx, hidden, weight, bias, target_ids, temperature, tp_group, vocab_start, save_chunk):
         inv_temperature = 1.0 / temperature
         local_ids = _local_ids(target_ids, vocab_start)
-        target_logit, lse = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group)
+        target_logit, lse, saved = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, save_chunk)
         ignored = target_ids == validation.IGNORE_INDEX
         logp = torch.where(ignored, torch.zeros_like(lse), target_logit - lse)
-        ctx.save_for_backward(hidden, weight, bias, local_ids, lse, ignored)
+        ctx.save_for_backward(hidden, weight, bias, local_ids, lse, ignored, target_logit)
+        ctx.saved_chunk = saved
         ctx.inv_temperature = inv_temperature
         ctx.tp_group = tp_group
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
-        hidden, weight, bias, local_ids, lse, ignored = ctx.saved_tensors
+        hidden, weight, bias, local_ids, lse, ignored, target_logit = ctx.saved_tensors
+        saved, ctx.saved_chunk = ctx.saved_chunk, None  # consumed in place: a second backward recomputes
         grad_rows = torch.where(ignored, torch.zeros_like(lse), grad_logp.float()).contiguous()
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         d_hidden, d_weight, d_bias = _backward(
-            hidden, weight, bias, local_ids, lse, grad_rows, ctx.inv_temperature, ctx.tp_group, needs
+            hidden, weight, bias, local_ids, lse, grad_rows, ctx.inv_temperature, ctx.tp_group, needs,
+            saved=saved, target_logit=target_logit,
         )
-        return d_hidden, d_weight, d_bias, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
 def check_linear_logp_inputs(
@@ -690,8 +834,11 @@ def linear_logp(
     hidden_c = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weight_c = weight if weight.stride(1) == 1 else weight.contiguous()
     bias_c = None if bias is None else bias.contiguous()
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_c, weight_c, bias_c))
     return _LinearLogpFunction.apply(
-        hidden_c, weight_c, bias_c, target_ids, float(temperature), tp_group, int(vocab_start)
+        hidden_c, weight_c, bias_c, target_ids, float(temperature), tp_group, int(vocab_start),
+        wants_grad and _save_chunk(),
     )
 
 
@@ -702,7 +849,9 @@ def workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     n_v = math.ceil(V_local / cfg.block_v)
     forward = 2 * n_v * T * 4 + 3 * T * 4 + T * 4  # partials, target/lse/logp, int32 ids
-    backward = T * _vocab_chunk_cols(T, V_local, element, cfg.block_v) * element + T * H * 4 + V_local * 4 + T * 4
+    chunk = _vocab_chunk_cols(T, V_local, element, cfg.block_v)
+    saved_tile_max = math.ceil(min(chunk, V_local) / cfg.block_v) * T * 4  # kept for the saved chunk
+    backward = T * chunk * element + T * H * 4 + V_local * 4 + T * 4 + saved_tile_max
     return forward + backward
 
 

@@ -123,6 +123,51 @@ def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype)
 
 
+@pytest.mark.parametrize("path", ["default", "tma", "tma_store"])
+def test_saved_first_chunk_matches_recompute(monkeypatch, path):
+    """The forward keeps the first backward chunk (exp(z - tile max)); the backward turns it into
+    dlogits instead of recomputing it. Same tolerances as the recompute path, through the default
+    kernel, the TMA kernel and its TMA stores (interpreter); no_grad saves nothing; a second
+    backward over the same graph (retain_graph) recomputes and agrees."""
+    if path != "default" and not INTERPRETED:
+        pytest.skip("the TMA paths are the GPU default for bf16 (covered by the parity tests there)")
+    monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", path != "default")
+    for knob in ("TMA_STORE_Q", "TMA_STORE_DLOGITS"):
+        monkeypatch.setattr(op_module, knob, path == "tma_store")
+    monkeypatch.setattr(op_module, "BACKWARD_WORKSPACE_BYTES", 40 * 128 * 2)  # several chunks
+    finished = []
+    finish = op_module._finish_saved_chunk
+    monkeypatch.setattr(op_module, "_finish_saved_chunk", lambda *a: finished.append(1) or finish(*a))
+    leaves, ids = _inputs(torch.bfloat16, T=40, H=40, V=ODD_VOCAB, seed=4)
+    ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
+    got = {}
+    for save in ("1", "0"):
+        monkeypatch.setenv(op_module.SAVE_CHUNK_ENV, save)
+        got[save] = _grads(linear_logp, leaves, ids, 0.7)
+        assert_linear_logp_close(*got[save], ref_logp, ref_grads, torch.bfloat16)
+    assert finished == [1], "only the saving run may take the saved-chunk path"
+    assert torch.equal(got["1"][0], got["0"][0]), "saving must not change the forward's log-probs"
+    monkeypatch.setenv(op_module.SAVE_CHUNK_ENV, "1")
+    hidden, weight, bias = leaves
+    logp = linear_logp(hidden, weight, ids, bias, 0.7)
+    upstream = torch.linspace(-1.0, 2.0, logp.shape[0], device=logp.device)
+    first = torch.autograd.grad(logp, (hidden, weight, bias), upstream, retain_graph=True)
+    second = torch.autograd.grad(logp, (hidden, weight, bias), upstream)
+    assert len(finished) == 2, "the second backward must recompute (the saved chunk was consumed)"
+    for a, b in zip(first, second):
+        tolerances.assert_close(a.float(), b.float(), "linear_logp.grad", torch.bfloat16, name="second backward")
+    with torch.no_grad():
+        linear_logp(hidden, weight, ids, bias, 0.7)
+    assert len(finished) == 2
+
+
+def test_bad_save_chunk_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv(op_module.SAVE_CHUNK_ENV, "yes")
+    leaves, ids = _inputs(torch.float32, T=8, H=16, V=40)
+    with pytest.raises(ValueError, match=op_module.SAVE_CHUNK_ENV):
+        linear_logp(leaves[0], leaves[1], ids, leaves[2])
+
+
 def test_backward_chunks_are_even_and_fill_whole_waves_at_the_issue_shape():
     """9 chunks of 16896 columns (66 vocab tiles of 256): no thin leftover chunk."""
     cols = op_module._vocab_chunk_cols(4096, 151936, 2, 256)
