@@ -1,26 +1,36 @@
-"""vime's GRPO loss straight from logits: a per-row statistics + loss kernel, a dlogits kernel.
+"""vime's GRPO loss straight from logits: one read (a CUDA cluster kernel) or two (Triton kernels).
 
 ``grpo_loss(logits [T, V], target_ids [T], *, old_logp, ref_logp, advantages, loss_mask,
 lengths|cu_seqlens, config, temperature, rollout_logp, tp_group, inplace_backward)
 -> (loss 0-dim fp32, {"pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss"}: 0-dim fp32)``, the math of
 kernels/reference/grpo_loss.py.
 
-Fused path (single device, token-level ratio): every token's share of the loss is known before
+Fused paths (single device, token-level ratio): every token's share of the loss is known before
 the logits are read, because the reduction weights come from the mask alone
 (``w_t = m_t / max(sum of m over t's sample, 1)`` for ``sum_of_sample_mean``, ``w_t = m_t`` for
-``per_token_sum``; reference ``token_weights``). So
-  forward:  one program per row sweeps the row once (online max / sum-exp) -> ``logp``, and computes
-            the token's pg, clip flag, KL and ``c = dL/dlogp = w (dpg/dlogp + kl_coef dkl/dlogp)``
-            in registers; [7, T] fp32 out (the four metric terms, c, row max, sum-exp);
-  backward: the ``logp`` backward kernel writes ``dlogits = g c (onehot - softmax) / T`` in the
-            logits dtype, with ``g`` (grad_output) folded into ``c`` before the single rounding.
-Forward+backward reads the logits twice and writes dlogits once, with no [T, V] intermediate
-besides dlogits itself; both kernels run at ~97-100% of HBM bandwidth on an H100. The issue's limit
-counts one read: reaching it needs the row on chip between the two sweeps, and the forms tried
-to get there (one program sweeping its row twice hoping for L2 hits; rows split over programs
-that wait for each other's chunk statistics) were slower on an H100: docs/performance-notes.md.
+``per_token_sum``; reference ``token_weights``). With ``c = dL/dlogp = w (dpg/dlogp + kl_coef
+dkl/dlogp)`` formed per token in registers:
 
-``inplace_backward=True`` (opt-in) writes dlogits into the logits buffer during the backward:
+* **one read** (default where it applies: logits that need a gradient on a Hopper-or-newer GPU,
+  16-byte aligned rows, nvcc available; see kernels/ops/cuda/grpo_loss_one_read.py): a CUDA
+  thread-block-cluster kernel holds each row in the shared memory of a cluster of CTAs, reduces
+  it once, and writes the loss terms and ``dlogits = c (onehot - softmax) / T`` for grad_output 1
+  in the forward: the logits are read once and dlogits written once. The backward hands that
+  buffer out as the gradient when grad_output is exactly 1 (checked on the device, no host sync);
+  otherwise a kernel rewrites the rows from the logits with grad_output folded in (one rounding,
+  as below). A second backward through a retained graph takes the two-read backward.
+* **two reads** (the Triton path, everywhere else, and with ``RLK_GRPO_ONE_READ=0``): the forward
+  sweeps each row once (online max / sum-exp) and stores [7, T] fp32 (the four metric terms, c,
+  row max, sum-exp); the backward's ``logp`` kernel writes dlogits with ``g`` (grad_output) folded
+  into ``c`` before the single rounding. Both kernels run at ~97-100% of HBM bandwidth; the logits
+  are read twice.
+
+Neither path has a [T, V] intermediate besides dlogits itself. The one-read path allocates dlogits
+in the forward (its memory is held from the forward on, not from the backward on). Why Triton
+alone cannot read once (the row must stay on chip between its two sweeps, and a 152k-entry bf16
+row is larger than one multiprocessor's shared memory; Triton has no clusters): docs/performance-notes.md.
+
+``inplace_backward=True`` (opt-in; always the two-read path) writes dlogits into the logits buffer during the backward:
 no extra [T, V] memory, but the logits' values are destroyed — use it only when nothing reads
 the logits after the backward (the returned gradient aliases the logits storage; a second
 backward through the same graph raises).
@@ -32,17 +42,30 @@ its backward is the logp backward kernel. Same values, one more read of the logi
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from kernels import validation
-from kernels.ops.logp import LogpFunction, launch_logp_backward, row_max_sumexp, row_target, vocab_block
+from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
+from kernels.ops.logp import (
+    LogpFunction,
+    launch_logp_backward,
+    row_max_sumexp,
+    row_target,
+    row_write_grad,
+    vocab_block,
+)
 from kernels.ops.ratio_kl import kl_type_code, kl_value_and_grad
 from kernels.reference.grpo_loss import METRIC_NAMES, check_loss_inputs, grpo_loss_from_logp
 from kernels.reference.loss_config import LossConfig
 from kernels.reference.reductions import resolve_lengths, token_weights
+
+logger = logging.getLogger("kernels")
+_two_read_reasons_logged: set[str] = set()
 
 
 @triton.jit
@@ -120,32 +143,74 @@ def _grpo_loss_kernel(
     tl.store(per_token_ptr + 6 * num_tokens + row, s)
 
 
+@triton.jit
+def _regrad_unless_unit_kernel(
+    logits_ptr, grad_ptr, ids_ptr, row_grad_ptr, grad_output_ptr, max_ptr, sumexp_ptr,
+    stride_row, stride_grad_row, vocab, ignore_index, temperature,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+):
+    """One-read path's backward: rows hold dlogits for grad_output 1; rewrite them with the real
+    row gradient (one rounding, as the two-read path) unless grad_output is exactly 1."""
+    if tl.load(grad_output_ptr) != 1.0:
+        row = tl.program_id(0).to(tl.int64)
+        target_id = tl.load(ids_ptr + row).to(tl.int64)
+        coef = tl.where(target_id == ignore_index, 0.0, tl.load(row_grad_ptr + row))
+        row_write_grad(
+            logits_ptr + row * stride_row, grad_ptr + row * stride_grad_row, coef,
+            tl.load(max_ptr + row), tl.load(sumexp_ptr + row), target_id, vocab, temperature, BLOCK_V, SCALE,
+        )
+
+
+def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
+    """The one-read kernel's plan for these logits, or why the two-read path runs (logged once per
+    reason at INFO: it is a documented path with the same values, not a fallback)."""
+    found = one_read_kernel.plan(logits)
+    if isinstance(found, str) and found not in _two_read_reasons_logged:
+        _two_read_reasons_logged.add(found)
+        logger.info("kernels: grpo_loss runs the two-read Triton path: %s", found)
+    return found
+
+
 class GrpoLossFunction(torch.autograd.Function):
-    """Forward: the per-row statistics and loss kernel; backward: the dlogits kernel."""
+    """Forward: the per-row statistics and loss kernel, or the one-read cluster kernel that also writes
+    dlogits; backward: the dlogits kernel (or, one-read, a rewrite only when grad_output != 1)."""
 
     @staticmethod
     def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, loss_mask, lengths, config,
                 temperature, ignore_index, inplace):  # type: ignore[override]
         num_tokens, vocab = logits.shape
         per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
-        block, warps = vocab_block(vocab, logits.dtype, read_only=True)
         has_ref = ref_logp is not None
-        _grpo_loss_kernel[(num_tokens,)](
-            logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
-            rollout_logp if config.use_tis else old_logp, per_token,
-            logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
-            config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
-            config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef,
-            BLOCK_V=block, SCALE=temperature != 1.0, HAS_REF=has_ref,
-            KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
-            DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
-        )
-        # The reduction weights are computed after the launch: their few small ops overlap the
-        # kernel instead of delaying it (the kernel needs no weight: every output is per token).
-        weights = token_weights(loss_mask, lengths, config.reduction)
+        plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
+        if isinstance(plan, one_read_kernel.OneReadPlan):
+            # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
+            weights = token_weights(loss_mask, lengths, config.reduction)
+            unit_grad = torch.empty((num_tokens, vocab), dtype=logits.dtype, device=logits.device)
+            one_read_kernel.launch(
+                plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
+                ref_logp, advantages, rollout_logp, weights, per_token, config, float(temperature),
+                ignore_index, kl_type_code(config.kl_type),
+            )
+        else:
+            unit_grad = None
+            block, warps = vocab_block(vocab, logits.dtype, read_only=True)
+            _grpo_loss_kernel[(num_tokens,)](
+                logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
+                rollout_logp if config.use_tis else old_logp, per_token,
+                logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
+                config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
+                config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef,
+                BLOCK_V=block, SCALE=temperature != 1.0, HAS_REF=has_ref,
+                KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
+                DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
+            )
+            # The reduction weights are computed after the launch: their few small ops overlap the
+            # kernel instead of delaying it (the kernel needs no weight: every output is per token).
+            weights = token_weights(loss_mask, lengths, config.reduction)
         # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss (multiply + sum, not a matmul: TF32 must not apply)
         metrics = (per_token[:4] * weights).sum(dim=1)
         loss = metrics[0] + config.kl_loss_coef * metrics[3] if config.kl_loss_coef != 0.0 else metrics[0].clone()
+        ctx.unit_grad = unit_grad
         ctx.row_stats = per_token[4:]
         ctx.weights = weights
         ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
@@ -166,8 +231,21 @@ class GrpoLossFunction(torch.autograd.Function):
         # c = w * coef (the product the loss's autograd forms), then grad_output folds into it before
         # the single rounding of each dlogit (exact for any scale, no host sync); [T] fp32 on the device
         row_grad = (ctx.weights * coef) * grad_loss.to(torch.float32)
-        grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        launch_logp_backward(logits, grad, ids, row_grad, row_max, sumexp, ctx.temperature, ctx.ignore_index)
+        unit_grad, ctx.unit_grad = ctx.unit_grad, None  # handed out once: autograd may keep it as .grad
+        if unit_grad is not None:
+            # the forward wrote dlogits for grad_output 1; a kernel rewrites them exactly from the
+            # logits unless grad_output is 1 (checked on the device: no host sync)
+            grad = unit_grad
+            num_tokens, vocab = logits.shape
+            block, warps = vocab_block(vocab, logits.dtype)
+            _regrad_unless_unit_kernel[(num_tokens,)](
+                logits, grad, ids, row_grad, grad_loss.to(torch.float32).reshape(1), row_max, sumexp,
+                logits.stride(0), grad.stride(0), vocab, ctx.ignore_index, float(ctx.temperature),
+                BLOCK_V=block, SCALE=ctx.temperature != 1.0, num_warps=warps,
+            )
+        else:
+            grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+            launch_logp_backward(logits, grad, ids, row_grad, row_max, sumexp, ctx.temperature, ctx.ignore_index)
         return grad, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -4,7 +4,9 @@ Limit: read the logits once and write dlogits once (2*T*V*bytes). vime math, per
 reduction, KL term on. Peers in the same run: torch.compile of the reference (vime math) and,
 where importable, Liger's ``triton_grpo_loss`` (loss_type "grpo"; its math differs from vime's,
 the work is the same: recorded for the roofline table, never gated). Extra memory: ours is the
-dlogits tensor; with ``inplace_backward`` none.
+dlogits tensor; with ``inplace_backward`` none. ``rlk`` is the default path (the one-read cluster
+kernel where it applies), ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place backward
+(a two-read path).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _inputs(num_tokens, vocab, dtype):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
 @pytest.mark.parametrize("dtype_name", DTYPES)
-def test_bench_grpo_loss_forward_backward(rlk_metrics, dtype_name, shape):
+def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, shape):
     dtype = DTYPES[dtype_name]
     num_tokens, vocab = shape
     logits, ids, kw = _inputs(num_tokens, vocab, dtype)
@@ -61,6 +63,10 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, dtype_name, shape):
         return torch.autograd.grad(loss, logits)
 
     ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
+    # the two-read Triton path in the same run (what serves GPUs without clusters or nvcc)
+    monkeypatch.setenv("RLK_GRPO_ONE_READ", "0")
+    measure(rlk_metrics, f"{OURS}_two_read", ours, bytes_moved, tags, graph=True)
+    monkeypatch.delenv("RLK_GRPO_ONE_READ")
 
     work = logits.detach().clone().requires_grad_()
 

@@ -48,17 +48,19 @@ def make_ids(num_tokens: int, vocab: int, seed: int = 0, ignore_every: int = 0) 
 
 
 def loss_inputs(
-    num_tokens: int, vocab: int, dtype: torch.dtype, seed: int = 0, lengths: list[int] | None = None
+    num_tokens: int, vocab: int, dtype: torch.dtype, seed: int = 0, lengths: list[int] | None = None,
+    ignore_every: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """A packed GRPO batch: logits, ids, old/ref/rollout log-probs near the policy's, advantages,
-    a mask with an all-zero sample when there are >= 3 samples, and lengths."""
+    """A packed GRPO batch: logits, ids (every ``ignore_every``-th the ignore index, if > 0),
+    old/ref/rollout log-probs near the policy's, advantages, a mask with an all-zero sample when
+    there are >= 3 samples, and lengths."""
     from kernels.reference import selected_logprob
 
     lengths = lengths or [num_tokens]
     assert sum(lengths) == num_tokens
     gen = generator(seed + 2)
     logits = make_logits(num_tokens, vocab, dtype, seed)
-    ids = make_ids(num_tokens, vocab, seed)
+    ids = make_ids(num_tokens, vocab, seed, ignore_every=ignore_every)
     base = selected_logprob(logits, ids).cpu()
     old = base + 0.3 * torch.randn(num_tokens, generator=gen)
     ref = base + 0.4 * torch.randn(num_tokens, generator=gen)

@@ -58,22 +58,25 @@ def _run(fn, inputs, config, temperature, dtype, *, with_ref=True, grad_scale=GR
     return loss, metrics, logits.grad
 
 
-def _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab, lengths, with_ref=True):
+def _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab, lengths, with_ref=True,
+            grad_scale=GRAD_SCALE, ignore_every=0):
     dtype = DTYPES[dtype_name]
     config = CONFIGS[config_name]
-    inputs = loss_inputs(num_tokens, vocab, dtype, seed=7, lengths=lengths)
-    loss, metrics, grad = _run(kernels.grpo_loss, inputs, config, temperature, None, with_ref=with_ref)
-    ref_loss, ref_metrics, ref_grad = _run(reference_grpo_loss, inputs, config, temperature, dtype, with_ref=with_ref)
+    inputs = loss_inputs(num_tokens, vocab, dtype, seed=7, lengths=lengths, ignore_every=ignore_every)
+    loss, metrics, grad = _run(kernels.grpo_loss, inputs, config, temperature, None, with_ref=with_ref,
+                               grad_scale=grad_scale)
+    ref_loss, ref_metrics, ref_grad = _run(reference_grpo_loss, inputs, config, temperature, dtype, with_ref=with_ref,
+                                           grad_scale=grad_scale)
     assert grad.dtype == dtype and loss.dtype == torch.float32 and loss.dim() == 0
     assert set(metrics) == set(METRIC_NAMES)
     tags = {"op": "grpo_loss", "dtype": dtype_name, "config": config_name, "temperature": temperature,
-            "shape": f"{num_tokens}x{vocab}"}
+            "shape": f"{num_tokens}x{vocab}", "grad_scale": grad_scale}
     terms = summed_terms(config, inputs["loss_mask"])
     err = tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss", terms=terms)
     for name in METRIC_NAMES:
         tolerances.assert_close(metrics[name], ref_metrics[name], "grpo_loss", dtype, name=name, terms=terms)
     upstream = loss_upstream_grad(
-        inputs["logits"], inputs["target_ids"], _loss_kwargs(inputs, with_ref), config, temperature, GRAD_SCALE
+        inputs["logits"], inputs["target_ids"], _loss_kwargs(inputs, with_ref), config, temperature, grad_scale
     )
     grad_err = tolerances.assert_close(grad, ref_grad, "grpo_loss.grad", dtype, name="dlogits", upstream=upstream)
     record_error(rlk_metrics, "loss_max_abs_err", err, tags)
@@ -199,3 +202,70 @@ def test_grpo_loss_parity_full(triton_strict, rlk_metrics, dtype_name, vocab, co
     lengths = [FULL_T // 8] * 8
     _parity(rlk_metrics, dtype_name, config_name, 1.0, FULL_T, vocab, lengths)
     torch.cuda.empty_cache()
+
+
+# The one-read cluster kernel (kernels/ops/cuda/grpo_loss_one_read.cu) serves aligned rows on a Hopper
+# GPU: it writes dlogits in the forward for grad_output 1, which only a backward with grad_output 1
+# hands out unchanged (the cases above use 1.5: the backward rewrites the rows). Cluster sizes:
+# V=32000 bf16 1 CTA per row, fp32 2; V=151936 bf16 4, fp32 8; V=1032 fp16 1; V=256000 fp32 8 CTAs
+# of 125 KiB (one per multiprocessor).
+ONE_READ_CASES = [("bf16", 32000), ("fp32", 32000), ("bf16", 151936), ("fp32", 151936), ("fp16", 1032),
+                  ("fp32", 256000)]
+
+
+def _require_one_read(dtype_name, vocab):
+    from kernels.ops.cuda import grpo_loss_one_read
+
+    probe = torch.empty((1, vocab), dtype=DTYPES[dtype_name], device=DEVICE)
+    plan = grpo_loss_one_read.plan(probe)
+    if isinstance(plan, str):
+        pytest.skip(f"the one-read kernel does not run here: {plan}")
+    return plan
+
+
+# (config, temperature): temperature 0.7 only with bounded KL terms. The inputs' old/ref log-probs are
+# drawn around the temperature-1 policy, so at 0.7 an unclamped k3 term is ~exp(6) per token (loss ~466)
+# and fp32 rounding of exp alone exceeds the loss's rtol of 1e-6: measured at bf16 V=32000, the
+# two-read path 8.9e-4 and the one-read 4.9e-4 from the reference, against 4.8e-4 allowed (2026-11-22).
+ONE_READ_CONFIGS = [("asym_lowvar", 1.0), ("asym_lowvar", 0.7), ("dual_tis_asym", 1.0), ("dual_tis_asym", 0.7),
+                    ("per_token", 1.0), ("per_token", 0.7), ("k3", 1.0), ("unbiased", 1.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("config_name", "temperature"), ONE_READ_CONFIGS,
+                         ids=[f"{c}-T{t}" for c, t in ONE_READ_CONFIGS])
+@pytest.mark.parametrize(("dtype_name", "vocab"), ONE_READ_CASES, ids=[f"{d}-V{v}" for d, v in ONE_READ_CASES])
+def test_grpo_loss_one_read_parity(triton_strict, rlk_metrics, dtype_name, vocab, config_name, temperature):
+    """grad_output 1: the forward's dlogits are the gradient; ignored ids (every 11th) included."""
+    _require_one_read(dtype_name, vocab)
+    num_tokens = 512 if vocab > 100000 else 1024
+    lengths = [num_tokens // 8] * 8
+    _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab, lengths, grad_scale=1.0,
+            ignore_every=11)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_grpo_loss_one_read_agrees_with_two_read(triton_strict, monkeypatch, dtype_name):
+    """Same loss and metrics as the two-read Triton path, dlogits within one ulp (sum-exp order
+    differs); a second backward (retained graph) and grad_output != 1 give the two-read values."""
+    _require_one_read(dtype_name, 32000)
+    inputs = loss_inputs(1024, 32000, DTYPES[dtype_name], seed=11, lengths=[128] * 8, ignore_every=13)
+    config = CONFIGS["dual_tis_asym"]
+    results = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("RLK_GRPO_ONE_READ", mode)
+        leaf = inputs["logits"].detach().clone().requires_grad_()
+        rest = {k: v for k, v in inputs.items() if k != "logits"}
+        loss, metrics = kernels.grpo_loss(leaf, config=config, **rest)
+        first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+        second = torch.autograd.grad(loss, leaf, torch.tensor(0.75, device=DEVICE))[0]
+        results[mode] = (loss.detach(), metrics, first, second)
+    (loss1, m1, g1, h1), (loss0, m0, g0, h0) = results["1"], results["0"]
+    tolerances.assert_close(loss1, loss0, "grpo_loss", DTYPES[dtype_name], name="loss one-read vs two-read")
+    for name in METRIC_NAMES:
+        tolerances.assert_close(m1[name], m0[name], "grpo_loss", DTYPES[dtype_name], name=name)
+    tolerances.assert_close(g1, g0, "grpo_loss.grad", DTYPES[dtype_name], name="dlogits one-read vs two-read")
+    tolerances.assert_close(h1, h0, "grpo_loss.grad", DTYPES[dtype_name], name="second backward, grad_output 0.75")
+    assert g1.data_ptr() != h1.data_ptr()  # the forward's buffer is handed out once

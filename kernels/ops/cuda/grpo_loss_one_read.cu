@@ -1,0 +1,454 @@
+// vime's GRPO loss and its dlogits in ONE read of the logits: a thread-block-cluster kernel.
+//
+// One cluster of C CTAs owns one row of logits [T, V] (C = 1, 2, 4 or 8, compiled in: the
+// function name ends in _c<C>). CTA r of the cluster copies its slice of the row, columns
+// [r * slice, (r + 1) * slice), from HBM into its shared memory once (cp.async, 16-byte pieces,
+// in STAGES commit groups so the statistics start on the first piece while the rest is in
+// flight). Then:
+//   1. each CTA reduces its slice to (max, sum of exp) and publishes it in shared memory;
+//   2. after a cluster barrier every CTA reads the C partials through distributed shared memory
+//      and combines them in a fixed tree order (the same in every CTA, so all C get bit-identical
+//      row statistics), and forms logp, the token's loss terms and c = dL/dlogp;
+//   3. each CTA writes dlogits = c * (onehot - exp(z - m) / S) [/ temperature] for its slice
+//      from the copy still in shared memory, in the logits dtype (one rounding).
+// HBM traffic: the logits read once, dlogits written once, a few [T] vectors.
+//
+// The loss math is the Triton kernel's (kernels/ops/grpo_loss.py: token_pg_and_grad,
+// kernels/ops/ratio_kl.py: kl_value_and_grad), statement for statement; so are the softmax
+// gradient's rounding order (kernels/ops/logp.py: row_write_grad) and the outputs' layout.
+// dlogits is written for grad_output == 1; the caller rescales (exactly) when it is not.
+//
+// Requirements checked by the caller (kernels/ops/grpo_loss_one_read.py): logits and dlogits
+// rows 16-byte aligned (data pointer and row stride), ids int64, [T] inputs fp32 contiguous.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+#ifndef RLK_THREADS
+#define RLK_THREADS 512  // measured against 256 on an H100: faster at every benchmark shape
+#endif
+// registers capped so that three CTAs of 75968-byte slices fit on one multiprocessor (H100/H200:
+// 64K registers, 228 KiB of shared memory): while one writes its row, the others load theirs
+#ifndef RLK_MIN_CTAS
+#define RLK_MIN_CTAS 3
+#endif
+#define RLK_STAGES 4
+
+// flags (bit set by the caller)
+#define FLAG_SCALE 1      // temperature != 1: z = logits / temperature (IEEE division)
+#define FLAG_HAS_REF 2    // KL term (ref_logp given)
+#define FLAG_UNBIASED 4   // KL times exp(logp - old)
+#define FLAG_DUAL_CLIP 8  // dual clip with eps_c
+#define FLAG_TIS 16       // truncated importance sampling weight
+#define KL_TYPE_SHIFT 8   // bits 8..9: 0 k1, 1 k2, 2 k3, 3 low_var_kl
+
+template <typename T> struct Vec;
+template <> struct Vec<float> { static constexpr int N = 4; };
+template <> struct Vec<__nv_bfloat16> { static constexpr int N = 8; };
+template <> struct Vec<__half> { static constexpr int N = 8; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// exp(x) for the sweeps: ex2.approx.ftz of x * log2(e), two instructions (nvcc's __expf adds a
+// denormal fix-up: five more per element). Results below 2^-126 flush to 0: they are below any
+// gradient tolerance and sum-exp contributions of ~1e-38.
+#define LOG2E 1.4426950408889634f
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float exp_sweep(float x) { return exp2_ftz(x * LOG2E); }
+
+// 16 bytes of shared memory <-> VEC floats (bf16: a shift or a mask per element)
+__device__ __forceinline__ void unpack(const int4& raw, float (&z)[4]) {
+    z[0] = __int_as_float(raw.x); z[1] = __int_as_float(raw.y); z[2] = __int_as_float(raw.z); z[3] = __int_as_float(raw.w);
+}
+template <typename T> __device__ __forceinline__ void unpack16(const int4& raw, float (&z)[8]);
+template <> __device__ __forceinline__ void unpack16<__nv_bfloat16>(const int4& raw, float (&z)[8]) {
+    const unsigned w[4] = {static_cast<unsigned>(raw.x), static_cast<unsigned>(raw.y),
+                           static_cast<unsigned>(raw.z), static_cast<unsigned>(raw.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // element 2i is the low half of word i
+        z[2 * i] = __uint_as_float(w[i] << 16);
+        z[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <> __device__ __forceinline__ void unpack16<__half>(const int4& raw, float (&z)[8]) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        z[2 * i] = f.x;
+        z[2 * i + 1] = f.y;
+    }
+}
+template <typename T> __device__ __forceinline__ void load_piece(const T* p, float (&z)[Vec<T>::N]) {
+    const int4 raw = *reinterpret_cast<const int4*>(p);
+    if constexpr (sizeof(T) == 4) unpack(raw, z); else unpack16<T>(raw, z);
+}
+__device__ __forceinline__ int4 pack(const float (&d)[4]) {
+    return make_int4(__float_as_int(d[0]), __float_as_int(d[1]), __float_as_int(d[2]), __float_as_int(d[3]));
+}
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&v);
+}
+template <typename T> __device__ __forceinline__ int4 pack_piece(const float (&d)[Vec<T>::N]) {
+    if constexpr (sizeof(T) == 4) {
+        return pack(d);
+    } else {
+        return make_int4(static_cast<int>(pack2<T>(d[0], d[1])), static_cast<int>(pack2<T>(d[2], d[3])),
+                         static_cast<int>(pack2<T>(d[4], d[5])), static_cast<int>(pack2<T>(d[6], d[7])));
+    }
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+    // copies src_bytes (0..16) and zero-fills the rest of the 16-byte piece; bypasses L1
+    unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait_stage(int pending) {
+    // wait until at most `pending` of this thread's commit groups are still in flight
+    switch (pending) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        default: cp_async_wait<3>(); break;
+    }
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
+// (m, s) pairs: s = sum exp(z - m); the combination of two is exact in the same sense as Triton's
+// online update (s * exp(m_old - m_new) + ...)
+__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
+    float mn = fmaxf(m, m2);
+    if (mn == -INFINITY) return;  // both empty
+    s = s * exp_sweep(m - mn) + s2 * exp_sweep(m2 - mn);
+    m = mn;
+}
+
+// vime's clipped policy loss for one token: (pg, clipped flag, d pg / d logp); ties as torch
+__device__ __forceinline__ void token_pg_and_grad(
+    float logp, float old_logp, float adv, float rollout_logp, float eps_low, float eps_high, float eps_c,
+    float tis_low, float tis_high, int flags, float& pg, float& clipped, float& dpg) {
+    float ratio = __expf(logp - old_logp);
+    float l1 = -ratio * adv;
+    float clipped_ratio = fminf(fmaxf(ratio, 1.0f - eps_low), 1.0f + eps_high);
+    float l2 = -clipped_ratio * adv;
+    float d1 = -ratio * adv;
+    bool in_range = (ratio >= 1.0f - eps_low) && (ratio <= 1.0f + eps_high);
+    float d2 = in_range ? d1 : 0.0f;
+    pg = fmaxf(l1, l2);
+    dpg = l1 > l2 ? d1 : (l2 > l1 ? d2 : 0.5f * (d1 + d2));
+    clipped = l2 > l1 ? 1.0f : 0.0f;
+    if (flags & FLAG_DUAL_CLIP) {
+        float l3 = -eps_c * adv;
+        float dual = fminf(l3, pg);
+        float d_dual = pg < l3 ? dpg : (pg > l3 ? 0.0f : 0.5f * dpg);
+        if (adv < 0.0f) { pg = dual; dpg = d_dual; }
+    }
+    if (flags & FLAG_TIS) {
+        float w = fminf(fmaxf(__expf(old_logp - rollout_logp), tis_low), tis_high);
+        pg = pg * w;
+        dpg = dpg * w;
+    }
+}
+
+// (kl, d kl / d logp) for kl types 0 k1, 1 k2, 2 k3, 3 low_var_kl (k3 clamped to +-10)
+__device__ __forceinline__ void kl_value_and_grad(float logp, float ref, float old, int flags, float& kl, float& dkl) {
+    int kl_type = (flags >> KL_TYPE_SHIFT) & 3;
+    float r = logp - ref;
+    if (kl_type == 0) {
+        kl = r; dkl = 1.0f;
+    } else if (kl_type == 1) {
+        kl = r * r / 2.0f; dkl = r;
+    } else {
+        float e = __expf(-r);
+        kl = e - 1.0f + r;
+        dkl = 1.0f - e;
+        if (kl_type == 3) {
+            bool inside = (kl >= -10.0f) && (kl <= 10.0f);
+            dkl = inside ? dkl : 0.0f;
+            kl = fminf(fmaxf(kl, -10.0f), 10.0f);
+        }
+    }
+    if (flags & FLAG_UNBIASED) {
+        float w = __expf(logp - old);
+        dkl = w * dkl + w * kl;
+        kl = kl * w;
+    }
+}
+
+// z of one element: the logit in fp32, divided by the temperature (IEEE) when SCALE
+template <bool SCALE> __device__ __forceinline__ float scaled(float x, float temperature) {
+    return SCALE ? __fdiv_rn(x, temperature) : x;
+}
+
+// online (max, sum of exp) over this thread's pieces of one stage; full pieces take the fast path
+// (no per-element mask), the slice's last piece may be partial (zero-filled past the row's end)
+template <typename T, bool SCALE>
+__device__ __forceinline__ void stats_stage(const T* srow, int begin, int end, int ncols, float temperature,
+                                            float& m, float& s) {
+    constexpr int VEC = Vec<T>::N;
+    for (int p = begin; p < end; p += RLK_THREADS) {
+        float z[VEC];
+        load_piece<T>(srow + p * VEC, z);
+        const int valid = ncols - p * VEC;
+        float pm = -INFINITY;
+        if (valid >= VEC) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                z[j] = scaled<SCALE>(z[j], temperature);
+                pm = fmaxf(pm, z[j]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                z[j] = j < valid ? scaled<SCALE>(z[j], temperature) : -INFINITY;
+                pm = fmaxf(pm, z[j]);
+            }
+        }
+        if (pm > m) {
+            s = s * exp_sweep(m - pm);
+            m = pm;
+        }
+        if (m != -INFINITY) {
+            // (z - m) log2e, not the one-FFMA z log2e - m log2e: the rounding of m log2e (~|m| 2^-24)
+            // would shift every term of the row alike, a ~1e-6 bias of log S that KL terms such as
+            // k3's exp(ref - logp) amplify past the loss tolerance (seen at temperature 0.7)
+            float ps = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) ps += exp_sweep(z[j] - m);
+            s += ps;
+        }
+    }
+}
+
+// dlogits of this CTA's slice: -exp(z - m) * (c / S) everywhere (the one-hot term is added to the
+// target's element afterwards, by the caller), 16-byte streaming stores for full pieces
+template <typename T, bool SCALE>
+__device__ __forceinline__ void write_slice(const T* srow, T* dst, int npieces, int ncols, float temperature,
+                                            float row_max, float c_over_s) {
+    constexpr int VEC = Vec<T>::N;
+    const float neg_cs = -c_over_s;
+    const float max_log2 = row_max * LOG2E;
+    for (int p = threadIdx.x; p < npieces; p += RLK_THREADS) {
+        float d[VEC];
+        load_piece<T>(srow + p * VEC, d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const float z = scaled<SCALE>(d[j], temperature);
+            // 16-bit outputs: the one-FFMA form's ~1e-6 relative difference (the rounding of m log2e)
+            // is 1/4000 of their rounding; fp32 outputs keep exp(z - m)'s order of operations
+            d[j] = (sizeof(T) == 4 ? exp_sweep(z - row_max) : exp2_ftz(fmaf(z, LOG2E, -max_log2))) * neg_cs;
+        }
+        const int valid = ncols - p * VEC;
+        if (valid >= VEC) {
+            __stcs(reinterpret_cast<int4*>(dst + p * VEC), pack_piece<T>(d));
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                if (j < valid) dst[p * VEC + j] = from_f32<T>(d[j]);
+            }
+        }
+    }
+}
+
+template <typename T, int C>
+__device__ __forceinline__ void grpo_one_read(
+    const T* __restrict__ logits, T* __restrict__ grad, const int64_t* __restrict__ ids,
+    const float* __restrict__ old_logp, const float* __restrict__ ref_logp, const float* __restrict__ adv,
+    const float* __restrict__ rollout_logp, const float* __restrict__ weights, float* __restrict__ per_token,
+    int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index,
+    float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high, float kl_coef,
+    int flags) {
+    constexpr int VEC = Vec<T>::N;
+    constexpr int WARPS = RLK_THREADS / 32;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* srow = reinterpret_cast<T*>(smem_raw);
+    __shared__ float warp_m[WARPS], warp_s[WARPS];
+    __shared__ float partial[2];  // this CTA's (m, s): read by the whole cluster
+    __shared__ float coef_smem[3];  // (c, c / S, row max) for the write sweep
+
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = C == 1 ? 0 : static_cast<int>(cluster.block_rank());
+    const int64_t row = blockIdx.x / C;
+    const int tid = threadIdx.x;
+    const bool scale = flags & FLAG_SCALE;
+    const int col0 = rank * slice;
+    const int ncols = max(0, min(vocab - col0, slice));
+    const int npieces = (ncols + VEC - 1) / VEC;
+    const T* src = logits + row * stride_row + col0;
+
+    // 1. issue the whole slice's copy, in STAGES groups; a thread later reads exactly the pieces
+    //    it copied, so its own wait_group is all the synchronisation the statistics need
+    const int per_stage = (npieces + RLK_STAGES - 1) / RLK_STAGES;
+#pragma unroll
+    for (int st = 0; st < RLK_STAGES; ++st) {
+        const int end = min(npieces, (st + 1) * per_stage);
+        for (int p = st * per_stage + tid; p < end; p += RLK_THREADS) {
+            const int bytes = min(VEC, ncols - p * VEC) * static_cast<int>(sizeof(T));
+            cp_async_16(srow + p * VEC, src + p * VEC, bytes);
+        }
+        cp_async_commit();
+    }
+    const int64_t target = ids[row];
+    const bool ignored = target == ignore_index;
+    const bool owned = target >= 0 && target < vocab;
+    // thread 0 forms the loss: its scalar inputs (the target logit, the token's log-probs, advantage
+    // and weight) are loaded now, while the slice is in flight, not after the cluster barrier where
+    // a global round trip would hold up the whole CTA
+    float z_t = 0.0f, old = 0.0f, a = 0.0f, rollout = 0.0f, ref = 0.0f, w = 0.0f;
+    if (tid == 0) {
+        if (owned) z_t = to_f32(logits[row * stride_row + target]);
+        old = old_logp[row];
+        a = adv[row];
+        w = weights[row];
+        rollout = (flags & FLAG_TIS) ? rollout_logp[row] : old;
+        if (flags & FLAG_HAS_REF) ref = ref_logp[row];
+    }
+
+    float m = -INFINITY, s = 0.0f;
+#pragma unroll
+    for (int st = 0; st < RLK_STAGES; ++st) {
+        cp_async_wait_stage(RLK_STAGES - 1 - st);
+        const int begin = st * per_stage + tid, end = min(npieces, (st + 1) * per_stage);
+        if (scale) {
+            stats_stage<T, true>(srow, begin, end, ncols, temperature, m, s);
+        } else {
+            stats_stage<T, false>(srow, begin, end, ncols, temperature, m, s);
+        }
+    }
+    // CTA reduction: warps by shuffles, then warp 0 over the warps
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+        combine(m, s, m2, s2);
+    }
+    if ((tid & 31) == 0) { warp_m[tid >> 5] = m; warp_s[tid >> 5] = s; }
+    __syncthreads();
+    if (tid < 32) {  // warp 0 combines the warps' partials (lane w holds warp w's)
+        float cm = tid < WARPS ? warp_m[tid] : -INFINITY;
+        float cs = tid < WARPS ? warp_s[tid] : 0.0f;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, cm, off);
+            const float s2 = __shfl_xor_sync(0xffffffffu, cs, off);
+            combine(cm, cs, m2, s2);
+        }
+        if (tid == 0) {
+            partial[0] = cm;
+            partial[1] = cs;
+        }
+    }
+    // 2. the cluster's statistics: every CTA combines the C partials in the same fixed order
+    if (C > 1) { cluster_arrive(); cluster_wait(); } else { __syncthreads(); }
+    if (tid < 32) {
+        // warp 0 gathers the C partials in parallel (lane r reads rank r), then combines them by a
+        // fixed shuffle tree: the same operations in the same order in every CTA of the cluster
+        float rm = -INFINITY, rs = 0.0f;
+        if (tid < C) {
+            const float* p = C > 1 ? cluster.map_shared_rank(partial, tid) : partial;
+            rm = p[0];
+            rs = p[1];
+        }
+#pragma unroll
+        for (int off = 1; off < C; off <<= 1) {
+            const float m2 = __shfl_down_sync(0xffffffffu, rm, off);
+            const float s2 = __shfl_down_sync(0xffffffffu, rs, off);
+            if ((tid & (2 * off - 1)) == 0) combine(rm, rs, m2, s2);
+        }
+        if (tid == 0) {
+            if (scale) z_t = __fdiv_rn(z_t, temperature);
+            const float logp = ignored ? 0.0f : (z_t - rm) - logf(rs);
+            float pg, clipped, dpg;
+            token_pg_and_grad(logp, old, a, rollout, eps_low, eps_high, eps_c, tis_low, tis_high, flags, pg, clipped, dpg);
+            float kl = 0.0f, dkl = 0.0f;
+            if (flags & FLAG_HAS_REF) kl_value_and_grad(logp, ref, old, flags, kl, dkl);
+            const float coef = ignored ? 0.0f : dpg + kl_coef * dkl;
+            if (rank == 0) {
+                per_token[row] = pg;
+                per_token[num_tokens + row] = clipped;
+                per_token[2 * static_cast<int64_t>(num_tokens) + row] = old - logp;
+                per_token[3 * static_cast<int64_t>(num_tokens) + row] = kl;
+                per_token[4 * static_cast<int64_t>(num_tokens) + row] = coef;
+                per_token[5 * static_cast<int64_t>(num_tokens) + row] = rm;
+                per_token[6 * static_cast<int64_t>(num_tokens) + row] = rs;
+            }
+            // c = w * coef, the backward's row gradient for grad_output 1; then the softmax gradient's
+            // order of operations (row_write_grad): c [/ T], c / S, onehot * c - exp(z - m) * (c / S)
+            float c = w * coef;
+            if (scale) c = __fdiv_rn(c, temperature);
+            coef_smem[0] = c;
+            coef_smem[1] = __fdiv_rn(c, rs);
+            coef_smem[2] = rm;
+        }
+    }
+    // this CTA is done reading the others' partials; its own may still be read until they arrive
+    // too, which the cluster_wait at the very end waits for
+    if (C > 1) cluster_arrive();
+    __syncthreads();
+    const float c = coef_smem[0];
+    const float c_over_s = coef_smem[1];
+    const float row_max = coef_smem[2];
+    const int64_t local_target = target - col0;
+
+    // 3. dlogits for this slice, from shared memory; then the thread that wrote the target's piece
+    //    rewrites that one element with the one-hot term (program order: its store lands last).
+    //    Same operations and rounding as row_write_grad: c - exp(z - m) * (c / S), -(exp(z - m) * (c / S))
+    T* dst = grad + row * stride_grad + col0;
+    if (scale) {
+        write_slice<T, true>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
+    } else {
+        write_slice<T, false>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
+    }
+    if (local_target >= 0 && local_target < ncols && (local_target / VEC) % RLK_THREADS == tid) {
+        float x = to_f32(srow[local_target]);
+        if (scale) x = __fdiv_rn(x, temperature);
+        dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
+    }
+    // a CTA must not exit while another may still read its shared memory
+    if (C > 1) cluster_wait();
+}
+
+#define RLK_DEFINE(NAME, T, C)                                                                            \
+    extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(RLK_THREADS, RLK_MIN_CTAS) NAME(             \
+        const T* logits, T* grad, const int64_t* ids, const float* old_logp, const float* ref_logp,       \
+        const float* adv, const float* rollout_logp, const float* weights, float* per_token,              \
+        int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index, \
+        float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high,     \
+        float kl_coef, int flags) {                                                                       \
+        grpo_one_read<T, C>(logits, grad, ids, old_logp, ref_logp, adv, rollout_logp, weights, per_token, \
+                            stride_row, stride_grad, num_tokens, vocab, slice, ignore_index, temperature, \
+                            eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, flags);                 \
+    }
+
+#define RLK_DEFINE_DTYPE(SUFFIX, T)                 \
+    RLK_DEFINE(grpo_one_read_##SUFFIX##_c1, T, 1)   \
+    RLK_DEFINE(grpo_one_read_##SUFFIX##_c2, T, 2)   \
+    RLK_DEFINE(grpo_one_read_##SUFFIX##_c4, T, 4)   \
+    RLK_DEFINE(grpo_one_read_##SUFFIX##_c8, T, 8)
+
+RLK_DEFINE_DTYPE(fp32, float)
+RLK_DEFINE_DTYPE(bf16, __nv_bfloat16)
+RLK_DEFINE_DTYPE(fp16, __half)

@@ -1,0 +1,131 @@
+"""Host side of the one-read GRPO loss kernel (grpo_loss_one_read.cu): when it applies, how it is cut.
+
+:func:`plan` says whether a call can use the kernel and how: a cluster of C CTAs (1, 2, 4 or 8)
+per row, each holding ``slice`` columns of the row in shared memory. C is the smallest that keeps a
+CTA's slice within ``SLICE_BYTES`` (96 KiB: two CTAs fit on one H100/H200 multiprocessor, 227 KiB
+of shared memory, so one CTA's copy overlaps the other's writes), up to ``MAX_SLICE_BYTES`` (one
+CTA per multiprocessor) at C = 8. Where it does not apply, :func:`plan` returns the reason and
+kernels/ops/grpo_loss.py runs the two-read Triton path (same values; one more read of the logits).
+
+Applies when: the logits are on a CUDA device of compute capability >= 9.0 (thread-block
+clusters), fp32/bf16/fp16, rows contiguous and 16-byte aligned (data pointer, row stride, and
+V * itemsize, since dlogits is allocated contiguous), the row fits in 8 slices, nvcc is
+available (or the fatbin is cached), and ``RLK_GRPO_ONE_READ`` is not ``0``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.ops.cuda import build
+
+SOURCE = Path(__file__).with_name("grpo_loss_one_read.cu")
+THREADS = 512  # threads per CTA (RLK_THREADS in the source)
+EXTRA_DEFINES: tuple[str, ...] = ()  # NAME=VALUE macros for experiments (e.g. RLK_MIN_CTAS=2)
+SLICE_BYTES = 96 * 1024
+MAX_SLICE_BYTES = 200 * 1024
+CLUSTER_SIZES = (1, 2, 4, 8)
+_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# bit layout of the kernel's `flags` argument (FLAG_* and KL_TYPE_SHIFT in the source)
+FLAG_SCALE, FLAG_HAS_REF, FLAG_UNBIASED, FLAG_DUAL_CLIP, FLAG_TIS = 1, 2, 4, 8, 16
+KL_TYPE_SHIFT = 8
+SIGNATURE = (
+    "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",  # logits grad ids old ref adv rollout w per_token
+    "i64", "i64", "i32", "i32", "i32", "i64",  # stride_row stride_grad T V slice ignore_index
+    "f32", "f32", "f32", "f32", "f32", "f32", "f32",  # temperature eps_low eps_high eps_c tis_low tis_high kl_coef
+    "i32",  # flags
+)
+
+
+@dataclass(frozen=True)
+class OneReadPlan:
+    kernel: str  # grpo_one_read_<dtype>_c<C>
+    cluster: int
+    slice: int  # columns per CTA (a multiple of the 16-byte vector)
+    shared_bytes: int
+
+
+def cut(vocab: int, itemsize: int) -> tuple[int, int] | None:
+    """(cluster size, slice columns) for a row of ``vocab`` elements, or None if it does not fit."""
+    vec = 16 // itemsize
+    for limit in (SLICE_BYTES, MAX_SLICE_BYTES):
+        for cluster in CLUSTER_SIZES:
+            slice_cols = -(-vocab // cluster)
+            slice_cols = -(-slice_cols // vec) * vec
+            if slice_cols * itemsize <= limit:
+                return cluster, slice_cols
+    return None
+
+
+def enabled() -> bool:
+    return os.environ.get("RLK_GRPO_ONE_READ", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def plan(logits: torch.Tensor) -> OneReadPlan | str:
+    """How to run the one-read kernel on ``logits`` [T, V], or why it cannot run (a sentence)."""
+    if not enabled():
+        return "RLK_GRPO_ONE_READ=0"
+    if logits.device.type != "cuda":
+        return f"logits on {logits.device.type}, not CUDA"
+    if torch.cuda.get_device_capability(logits.device) < (9, 0):
+        return "thread-block clusters need compute capability 9.0 or newer"
+    suffix = _SUFFIX.get(logits.dtype)
+    if suffix is None:
+        return f"dtype {logits.dtype}"
+    itemsize = logits.element_size()
+    vocab = logits.shape[1]
+    if logits.stride(1) != 1:
+        return "logits rows are not contiguous"
+    if logits.data_ptr() % 16 or (logits.stride(0) * itemsize) % 16 or (vocab * itemsize) % 16:
+        return f"rows not 16-byte aligned (V={vocab}, row stride {logits.stride(0)}, {itemsize}-byte elements)"
+    shape = cut(vocab, itemsize)
+    if shape is None:
+        return f"a row of {vocab * itemsize} bytes exceeds {max(CLUSTER_SIZES)} x {MAX_SLICE_BYTES} bytes of shared memory"
+    if not build.fatbin_path(SOURCE).is_file() and build.find_nvcc() is None:
+        return "nvcc not found and no cached build (set RLK_NVCC or CUDA_HOME)"
+    cluster, slice_cols = shape
+    return OneReadPlan(f"grpo_one_read_{suffix}_c{cluster}", cluster, slice_cols, slice_cols * itemsize)
+
+
+def flags_for(config, *, scale: bool, has_ref: bool, kl_code: int) -> int:
+    flags = kl_code << KL_TYPE_SHIFT
+    if scale:
+        flags |= FLAG_SCALE
+    if has_ref:
+        flags |= FLAG_HAS_REF
+    if config.use_unbiased_kl:
+        flags |= FLAG_UNBIASED
+    if config.eps_clip_c is not None:
+        flags |= FLAG_DUAL_CLIP
+    if config.use_tis:
+        flags |= FLAG_TIS
+    return flags
+
+
+def launch(
+    the_plan: OneReadPlan, logits: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None, advantages: torch.Tensor, rollout_logp: torch.Tensor | None,
+    weights: torch.Tensor, per_token: torch.Tensor, config, temperature: float, ignore_index: int, kl_code: int,
+) -> None:
+    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1.
+
+    ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits."""
+    num_tokens, vocab = logits.shape
+    defines = (() if THREADS == 512 else (f"RLK_THREADS={THREADS}",)) + EXTRA_DEFINES
+    kernel = build.load_module(SOURCE, logits.device, defines).kernel(the_plan.kernel, SIGNATURE)
+    has_ref = ref_logp is not None
+    flags = flags_for(config, scale=temperature != 1.0, has_ref=has_ref, kl_code=kl_code)
+    args = (
+        logits.data_ptr(), grad.data_ptr(), ids.data_ptr(), old_logp.data_ptr(),
+        (ref_logp if has_ref else old_logp).data_ptr(), advantages.data_ptr(),
+        (rollout_logp if config.use_tis else old_logp).data_ptr(), weights.data_ptr(), per_token.data_ptr(),
+        logits.stride(0), grad.stride(0), num_tokens, vocab, the_plan.slice, ignore_index,
+        temperature, config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
+        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags,
+    )
+    stream = torch.cuda.current_stream(logits.device).cuda_stream
+    kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
