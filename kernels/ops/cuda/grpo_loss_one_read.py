@@ -15,6 +15,7 @@ available (or the fatbin is cached), and ``RLK_GRPO_ONE_READ`` is not ``0``.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,17 @@ def cut(vocab: int, itemsize: int) -> tuple[int, int] | None:
     return None
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _buildable() -> bool:
+    """The fatbin is cached or nvcc can build it (asked once per process: it hashes the source)."""
+    return build.fatbin_path(SOURCE).is_file() or build.find_nvcc() is not None
+
+
 def enabled() -> bool:
     return os.environ.get("RLK_GRPO_ONE_READ", "").strip().lower() not in ("0", "false", "no", "off")
 
@@ -71,7 +83,8 @@ def plan(logits: torch.Tensor) -> OneReadPlan | str:
         return "RLK_GRPO_ONE_READ=0"
     if logits.device.type != "cuda":
         return f"logits on {logits.device.type}, not CUDA"
-    if torch.cuda.get_device_capability(logits.device) < (9, 0):
+    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    if _capability(index) < (9, 0):
         return "thread-block clusters need compute capability 9.0 or newer"
     suffix = _SUFFIX.get(logits.dtype)
     if suffix is None:
@@ -85,7 +98,7 @@ def plan(logits: torch.Tensor) -> OneReadPlan | str:
     shape = cut(vocab, itemsize)
     if shape is None:
         return f"a row of {vocab * itemsize} bytes exceeds {max(CLUSTER_SIZES)} x {MAX_SLICE_BYTES} bytes of shared memory"
-    if not build.fatbin_path(SOURCE).is_file() and build.find_nvcc() is None:
+    if not _buildable():
         return "nvcc not found and no cached build (set RLK_NVCC or CUDA_HOME)"
     cluster, slice_cols = shape
     return OneReadPlan(f"grpo_one_read_{suffix}_c{cluster}", cluster, slice_cols, slice_cols * itemsize)
