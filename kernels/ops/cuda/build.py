@@ -86,6 +86,7 @@ class _Driver:
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL("libcuda.so.1")
+        self._primary: dict[int, ctypes.c_void_p] = {}
 
     def check(self, result: int, what: str) -> None:
         if result != 0:
@@ -94,17 +95,22 @@ class _Driver:
             raise RuntimeError(f"CUDA driver {what} failed: {name.value.decode() if name.value else result}")
 
     def ensure_context(self, device: int) -> None:
-        # PyTorch's runtime made the device's primary context current on this thread when it ran
-        # anything there; make sure of it (a fresh thread may have none yet)
+        """Make ``device``'s primary context (the one PyTorch's runtime uses) current on this thread."""
         ctx = ctypes.c_void_p()
         self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-        current = ctypes.c_int(-1)
-        if ctx.value:
-            self.check(self.lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
-        if not ctx.value or current.value != device:
+        primary = self._primary.get(device)
+        if primary is not None and ctx.value == primary.value:
+            return
+        if primary is None:
+            handle = ctypes.c_int()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(handle), device), f"cuDeviceGet({device})")
             primary = ctypes.c_void_p()
-            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), device), "cuDevicePrimaryCtxRetain")
-            self.check(self.lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+            # retained once per process and device, never released: it lives as long as PyTorch's
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), handle), "cuDevicePrimaryCtxRetain")
+            self._primary[device] = primary
+            if ctx.value == primary.value:
+                return
+        self.check(self.lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
 
 _driver: _Driver | None = None
@@ -132,8 +138,9 @@ _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
 class CudaKernel:
     """One ``extern "C"`` kernel of a loaded module, with its argument signature."""
 
-    def __init__(self, handle: ctypes.c_void_p, name: str, signature: tuple[str, ...]) -> None:
+    def __init__(self, handle: ctypes.c_void_p, name: str, signature: tuple[str, ...], device: int) -> None:
         self.handle = handle
+        self.device = device
         self.name = name
         self.signature = signature
         self._max_dynamic_smem = 48 * 1024
@@ -142,6 +149,9 @@ class CudaKernel:
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments, got {len(args)}")
         drv = driver()
+        # the function belongs to its device's context: make that context current (a process that
+        # drives several GPUs from one thread may have another device's context current now)
+        drv.ensure_context(self.device)
         if shared_bytes > self._max_dynamic_smem:
             self._max_dynamic_smem = shared_bytes
             drv.check(drv.lib.cuFuncSetAttribute(self.handle, _ATTR_MAX_DYNAMIC_SHARED, shared_bytes),
@@ -165,6 +175,7 @@ class CudaModule:
     def __init__(self, fatbin: Path, device: int) -> None:
         drv = driver()
         drv.ensure_context(device)
+        self.device = device
         self._image = fatbin.read_bytes()  # the driver reads it during the call; keep a reference anyway
         self.handle = ctypes.c_void_p()
         drv.check(drv.lib.cuModuleLoadData(ctypes.byref(self.handle), self._image), f"cuModuleLoadData({fatbin})")
@@ -177,7 +188,7 @@ class CudaModule:
             handle = ctypes.c_void_p()
             drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(handle), self.handle, name.encode()),
                       f"cuModuleGetFunction({name})")
-            found = self._kernels[name] = CudaKernel(handle, name, signature)
+            found = self._kernels[name] = CudaKernel(handle, name, signature, self.device)
         return found
 
 
