@@ -20,10 +20,15 @@ dkl/dlogp)`` formed per token in registers:
   otherwise a kernel rewrites the rows from the logits with grad_output folded in (one rounding,
   as below). A second backward through a retained graph takes the two-read backward.
 * **two reads** (the Triton path, everywhere else, and with ``RLK_GRPO_ONE_READ=0``): the forward
-  sweeps each row once (online max / sum-exp) and stores [7, T] fp32 (the four metric terms, c,
-  row max, sum-exp); the backward's ``logp`` kernel writes dlogits with ``g`` (grad_output) folded
-  into ``c`` before the single rounding. Both kernels run at ~97-100% of HBM bandwidth; the logits
-  are read twice.
+  sweeps each row once (online max / sum-exp) and stores [7, T] fp32 (the four metric terms, the
+  unweighted coefficient, row max, sum-exp); the backward's dlogits kernel forms ``c = w coef`` and
+  folds ``g`` (grad_output, read on the device) into it before the single rounding. Both kernels
+  run at ~97-100% of HBM bandwidth; the logits are read twice.
+
+Around either: one launch for the reduction weights (``_sample_mean_weights_kernel``) and one for
+the four metrics and the loss (``_weighted_sums_kernel``, a fixed summation order). At [8192, 151936]
+the one-read kernel takes ~1.80 ms on an H100 and the ~15 small PyTorch kernels these replace took
+~58 us of the op's GPU time (docs/ncu.md).
 
 Neither path has a [T, V] intermediate besides dlogits itself. The one-read path allocates dlogits
 in the forward (its memory is held from the forward on, not from the backward on). Why Triton
@@ -53,7 +58,6 @@ from kernels import validation
 from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
 from kernels.ops.logp import (
     LogpFunction,
-    launch_logp_backward,
     row_max_sumexp,
     row_target,
     row_write_grad,
@@ -144,21 +148,103 @@ def _grpo_loss_kernel(
 
 
 @triton.jit
-def _regrad_unless_unit_kernel(
-    logits_ptr, grad_ptr, ids_ptr, row_grad_ptr, grad_output_ptr, max_ptr, sumexp_ptr,
+def _sample_mean_weights_kernel(mask_ptr, lengths_ptr, weights_ptr, BLOCK: tl.constexpr):
+    """``sum_of_sample_mean`` weights of sample ``b`` = this program: w_t = m_t / max(sum m, 1) over
+    the sample's tokens, which start after the lengths of the samples before it."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    start = b.to(tl.int64) * 0
+    for i in range(0, b, BLOCK):
+        before = i + offs
+        start += tl.sum(tl.load(lengths_ptr + before, mask=before < b, other=0).to(tl.int64), 0)
+    end = start + tl.load(lengths_ptr + b).to(tl.int64)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for t in range(start, end, BLOCK):
+        cols = t + offs
+        total += tl.load(mask_ptr + cols, mask=cols < end, other=0).to(tl.float32)
+    count = tl.maximum(tl.sum(total, 0), 1.0)
+    for t in range(start, end, BLOCK):
+        cols = t + offs
+        m = tl.load(mask_ptr + cols, mask=cols < end, other=0).to(tl.float32)
+        tl.store(weights_ptr + cols, tl.math.div_rn(m, count), mask=cols < end)
+
+
+@triton.jit
+def _weighted_sums_kernel(per_token_ptr, weights_ptr, metrics_ptr, loss_ptr, num_tokens, kl_coef,
+                          HAS_KL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: metrics[k] = sum_t w_t per_token[k, t] for the four metric rows, and the loss
+    pg_loss + kl_coef * kl_loss; a fixed order, so the same inputs give the same bits."""
+    offs = tl.arange(0, BLOCK)
+    pg = tl.zeros([BLOCK], dtype=tl.float32)
+    clip = tl.zeros([BLOCK], dtype=tl.float32)
+    ppo_kl = tl.zeros([BLOCK], dtype=tl.float32)
+    kl = tl.zeros([BLOCK], dtype=tl.float32)
+    for t in range(0, num_tokens, BLOCK):
+        cols = t + offs
+        valid = cols < num_tokens
+        w = tl.load(weights_ptr + cols, mask=valid, other=0.0)
+        pg += tl.load(per_token_ptr + cols, mask=valid, other=0.0) * w
+        clip += tl.load(per_token_ptr + num_tokens + cols, mask=valid, other=0.0) * w
+        ppo_kl += tl.load(per_token_ptr + 2 * num_tokens + cols, mask=valid, other=0.0) * w
+        kl += tl.load(per_token_ptr + 3 * num_tokens + cols, mask=valid, other=0.0) * w
+    pg_loss = tl.sum(pg, 0)
+    kl_loss = tl.sum(kl, 0)
+    tl.store(metrics_ptr, pg_loss)
+    tl.store(metrics_ptr + 1, tl.sum(clip, 0))
+    tl.store(metrics_ptr + 2, tl.sum(ppo_kl, 0))
+    tl.store(metrics_ptr + 3, kl_loss)
+    if HAS_KL:
+        tl.store(loss_ptr, pg_loss + kl_coef * kl_loss)
+    else:
+        tl.store(loss_ptr, pg_loss)
+
+
+@triton.jit
+def _write_grad_row(logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g, max_ptr, sumexp_ptr,
+                    stride_row, stride_grad_row, vocab, ignore_index, temperature,
+                    BLOCK_V: tl.constexpr, SCALE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    target_id = tl.load(ids_ptr + row).to(tl.int64)
+    # c = w * coef (the product the loss's autograd forms), then grad_output folds into it before
+    # the single rounding of each dlogit (exact for any scale)
+    row_grad = (tl.load(weights_ptr + row) * tl.load(coef_ptr + row)) * g
+    row_write_grad(
+        logits_ptr + row * stride_row, grad_ptr + row * stride_grad_row,
+        tl.where(target_id == ignore_index, 0.0, row_grad), tl.load(max_ptr + row), tl.load(sumexp_ptr + row),
+        target_id, vocab, temperature, BLOCK_V, SCALE,
+    )
+
+
+@triton.jit
+def _grpo_dlogits_kernel(
+    logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, grad_output_ptr, max_ptr, sumexp_ptr,
     stride_row, stride_grad_row, vocab, ignore_index, temperature,
-    BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, UNLESS_UNIT: tl.constexpr,
 ):
-    """One-read path's backward: rows hold dlogits for grad_output 1; rewrite them with the real
-    row gradient (one rounding, as the two-read path) unless grad_output is exactly 1."""
-    if tl.load(grad_output_ptr) != 1.0:
-        row = tl.program_id(0).to(tl.int64)
-        target_id = tl.load(ids_ptr + row).to(tl.int64)
-        coef = tl.where(target_id == ignore_index, 0.0, tl.load(row_grad_ptr + row))
-        row_write_grad(
-            logits_ptr + row * stride_row, grad_ptr + row * stride_grad_row, coef,
-            tl.load(max_ptr + row), tl.load(sumexp_ptr + row), target_id, vocab, temperature, BLOCK_V, SCALE,
-        )
+    """dlogits rows from the forward's statistics, grad_output read on the device (no host sync).
+    ``UNLESS_UNIT`` (the one-read path, whose forward wrote the rows for grad_output 1): rows are
+    rewritten only when grad_output is not exactly 1."""
+    g = tl.load(grad_output_ptr).to(tl.float32)
+    if UNLESS_UNIT:
+        if g != 1.0:
+            _write_grad_row(logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g, max_ptr, sumexp_ptr,
+                            stride_row, stride_grad_row, vocab, ignore_index, temperature, BLOCK_V, SCALE)
+    else:
+        _write_grad_row(logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g, max_ptr, sumexp_ptr,
+                        stride_row, stride_grad_row, vocab, ignore_index, temperature, BLOCK_V, SCALE)
+
+
+REDUCE_BLOCK = 1024
+
+
+def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor, reduction: str) -> torch.Tensor:
+    """kernels.reference.reductions.token_weights in one launch (``sum_of_sample_mean``; the
+    per-token sum's weights are the mask itself): the op's small kernels add up at this size."""
+    if reduction != "sum_of_sample_mean":
+        return token_weights(loss_mask, lengths, reduction)
+    weights = torch.empty(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
+    _sample_mean_weights_kernel[(lengths.shape[0],)](loss_mask, lengths, weights, BLOCK=REDUCE_BLOCK)
+    return weights
 
 
 def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
@@ -184,7 +270,7 @@ class GrpoLossFunction(torch.autograd.Function):
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
         if isinstance(plan, one_read_kernel.OneReadPlan):
             # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
-            weights = token_weights(loss_mask, lengths, config.reduction)
+            weights = fused_token_weights(loss_mask, lengths, config.reduction)
             unit_grad = torch.empty((num_tokens, vocab), dtype=logits.dtype, device=logits.device)
             one_read_kernel.launch(
                 plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
@@ -206,10 +292,14 @@ class GrpoLossFunction(torch.autograd.Function):
             )
             # The reduction weights are computed after the launch: their few small ops overlap the
             # kernel instead of delaying it (the kernel needs no weight: every output is per token).
-            weights = token_weights(loss_mask, lengths, config.reduction)
-        # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss (multiply + sum, not a matmul: TF32 must not apply)
-        metrics = (per_token[:4] * weights).sum(dim=1)
-        loss = metrics[0] + config.kl_loss_coef * metrics[3] if config.kl_loss_coef != 0.0 else metrics[0].clone()
+            weights = fused_token_weights(loss_mask, lengths, config.reduction)
+        # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss, and the loss, in one launch
+        metrics = torch.empty(4, dtype=torch.float32, device=logits.device)
+        loss = torch.empty((), dtype=torch.float32, device=logits.device)
+        _weighted_sums_kernel[(1,)](
+            per_token, weights, metrics, loss, num_tokens, config.kl_loss_coef,
+            HAS_KL=config.kl_loss_coef != 0.0, BLOCK=REDUCE_BLOCK,
+        )
         ctx.unit_grad = unit_grad
         ctx.row_stats = per_token[4:]
         ctx.weights = weights
@@ -228,24 +318,20 @@ class GrpoLossFunction(torch.autograd.Function):
         ctx.backward_done = True
         logits, ids = ctx.saved_tensors
         coef, row_max, sumexp = ctx.row_stats
-        # c = w * coef (the product the loss's autograd forms), then grad_output folds into it before
-        # the single rounding of each dlogit (exact for any scale, no host sync); [T] fp32 on the device
-        row_grad = (ctx.weights * coef) * grad_loss.to(torch.float32)
         unit_grad, ctx.unit_grad = ctx.unit_grad, None  # handed out once: autograd may keep it as .grad
         if unit_grad is not None:
-            # the forward wrote dlogits for grad_output 1; a kernel rewrites them exactly from the
-            # logits unless grad_output is 1 (checked on the device: no host sync)
-            grad = unit_grad
-            num_tokens, vocab = logits.shape
-            block, warps = vocab_block(vocab, logits.dtype)
-            _regrad_unless_unit_kernel[(num_tokens,)](
-                logits, grad, ids, row_grad, grad_loss.to(torch.float32).reshape(1), row_max, sumexp,
-                logits.stride(0), grad.stride(0), vocab, ctx.ignore_index, float(ctx.temperature),
-                BLOCK_V=block, SCALE=ctx.temperature != 1.0, num_warps=warps,
-            )
+            grad = unit_grad  # the forward wrote it for grad_output 1: rewritten only if that is not 1
+        elif ctx.inplace:
+            grad = logits.detach()
         else:
-            grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-            launch_logp_backward(logits, grad, ids, row_grad, row_max, sumexp, ctx.temperature, ctx.ignore_index)
+            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        num_tokens, vocab = logits.shape
+        block, warps = vocab_block(vocab, logits.dtype)
+        _grpo_dlogits_kernel[(num_tokens,)](
+            logits, grad, ids, ctx.weights, coef, grad_loss.reshape(1), row_max, sumexp,
+            logits.stride(0), grad.stride(0), vocab, ctx.ignore_index, float(ctx.temperature),
+            BLOCK_V=block, SCALE=ctx.temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
+        )
         return grad, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -269,3 +269,30 @@ def test_grpo_loss_one_read_agrees_with_two_read(triton_strict, monkeypatch, dty
     tolerances.assert_close(g1, g0, "grpo_loss.grad", DTYPES[dtype_name], name="dlogits one-read vs two-read")
     tolerances.assert_close(h1, h0, "grpo_loss.grad", DTYPES[dtype_name], name="second backward, grad_output 0.75")
     assert g1.data_ptr() != h1.data_ptr()  # the forward's buffer is handed out once
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_fused_token_weights_match_the_reference(triton_strict, mask_kind):
+    """The one-launch sum_of_sample_mean weights: bit for bit with a 0/1 mask (integer counts, IEEE
+    division), within fp32 summation order with a float mask; an empty sample, a fully masked one
+    and one longer than a block included."""
+    from kernels.ops.grpo_loss import fused_token_weights
+    from kernels.reference.reductions import token_weights
+
+    lengths = torch.tensor([5, 0, 2000, 1, 37], device=DEVICE)
+    num_tokens = int(lengths.sum())
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(num_tokens, generator=gen) > 0.3
+    mask[2005] = False  # the one-token sample, fully masked: weight 0, not NaN
+    if mask_kind == "float":
+        mask = mask.float() * torch.rand(num_tokens, generator=gen)
+    mask = mask.to(DEVICE)
+    got = fused_token_weights(mask, lengths, "sum_of_sample_mean")
+    want = token_weights(mask, lengths, "sum_of_sample_mean")
+    assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
+    if mask_kind == "bool":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    per_token = fused_token_weights(mask, lengths, "per_token_sum")
+    assert torch.equal(per_token, mask.float())
