@@ -2,9 +2,11 @@
 
 :func:`plan` says whether a call can use the kernel and how: a cluster of C CTAs (1, 2, 4 or 8)
 per row, each holding ``slice`` columns of the row in shared memory. C is the smallest that keeps a
-CTA's slice within ``SLICE_BYTES`` (96 KiB: two CTAs fit on one H100/H200 multiprocessor, 227 KiB
-of shared memory, so one CTA's copy overlaps the other's writes), up to ``MAX_SLICE_BYTES`` (one
-CTA per multiprocessor) at C = 8. Where it does not apply, :func:`plan` returns the reason and
+CTA's slice within ``SLICE_BYTES`` (96 KiB, so that at least two CTAs share a multiprocessor and one
+CTA's copy overlaps another's writes; at V = 151936 the slices are 75968 bytes in bf16 (C = 4) and
+fp32 (C = 8), and three CTAs fit: 228 KiB of shared memory, registers capped for three in the
+source), up to ``MAX_SLICE_BYTES`` (one CTA per multiprocessor) at C = 8. Measured choices (512
+threads, 96 KiB, three CTAs): docs/performance-notes.md, "Session 3". Where it does not apply, :func:`plan` returns the reason and
 kernels/ops/grpo_loss.py runs the two-read Triton path (same values; one more read of the logits).
 
 Applies when: the logits are on a CUDA device of compute capability >= 9.0 (thread-block
