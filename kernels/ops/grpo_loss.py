@@ -267,10 +267,10 @@ class GrpoLossFunction(torch.autograd.Function):
         num_tokens, vocab = logits.shape
         per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
         has_ref = ref_logp is not None
+        weights = fused_token_weights(loss_mask, lengths, config.reduction)
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
         if isinstance(plan, one_read_kernel.OneReadPlan):
             # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
-            weights = fused_token_weights(loss_mask, lengths, config.reduction)
             unit_grad = torch.empty((num_tokens, vocab), dtype=logits.dtype, device=logits.device)
             one_read_kernel.launch(
                 plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
@@ -290,9 +290,6 @@ class GrpoLossFunction(torch.autograd.Function):
                 KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
                 DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
             )
-            # The reduction weights are computed after the launch: their few small ops overlap the
-            # kernel instead of delaying it (the kernel needs no weight: every output is per token).
-            weights = fused_token_weights(loss_mask, lengths, config.reduction)
         # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss, and the loss, in one launch
         metrics = torch.empty(4, dtype=torch.float32, device=logits.device)
         loss = torch.empty((), dtype=torch.float32, device=logits.device)

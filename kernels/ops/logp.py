@@ -156,29 +156,23 @@ _FWD = CachedLaunch(_logp_fwd_kernel)
 _BWD = CachedLaunch(_logp_bwd_kernel)
 
 
-def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial):
+def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, stats=True):
+    """(logp or its TP partial, row max, sum-exp), fp32 [T] each. ``stats=False`` (nothing to
+    differentiate): one [T] allocation, passed for the unused statistics pointers too (``STATS=False``
+    compiles their stores out); the three returned tensors are then the same one."""
     num_tokens, vocab = logits.shape
-    # one allocation for the three [T] outputs (host time: small calls are launch-bound)
-    out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device).unbind()
+    # one allocation for the [T] outputs (host time: small calls are launch-bound)
+    if stats:
+        out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device).unbind()
+    else:
+        out = row_max = row_sumexp = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
     block, warps = _forward_block(vocab, logits.dtype)
     _FWD.launch(
         (num_tokens,), logits, ids, out, row_max, row_sumexp,
         logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
-        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, STATS=True, num_warps=warps,
+        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, STATS=stats, num_warps=warps,
     )
     return out, row_max, row_sumexp
-
-
-def _logp_values(logits, ids, temperature, ignore_index, num_tokens, vocab, device):
-    """logp only (no statistics for a backward): one [T] allocation, passed for the unused
-    statistics pointers too (``STATS=False`` compiles their stores out)."""
-    out = torch.empty(num_tokens, dtype=torch.float32, device=device)
-    block, warps = _forward_block(vocab, logits.dtype)
-    _FWD.launch(
-        (num_tokens,), logits, ids, out, out, out, logits.stride(0), vocab, 0, ignore_index, temperature,
-        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=False, STATS=False, num_warps=warps,
-    )
-    return out
 
 
 def launch_logp_backward(
@@ -251,11 +245,10 @@ def logp(
     num_tokens, vocab = validation.check_logits(logits)
     validation.check_temperature(temperature)
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
-    device = logits.device
-    validation.check_target_ids(target_ids, num_tokens, vocab * world, device, ignore_index)
+    validation.check_target_ids(target_ids, num_tokens, vocab * world, logits.device, ignore_index)
     if not (logits.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip autograd.Function's bookkeeping (~20 us of host time)
         if tp_group is None:
-            return _logp_values(logits, target_ids, float(temperature), int(ignore_index), num_tokens, vocab, device)
+            return _launch_fwd(logits, target_ids, temperature, int(ignore_index), 0, False, stats=False)[0]
         return logp_forward_stats(logits, target_ids, float(temperature), int(ignore_index), tp_group)[0]
     return LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)

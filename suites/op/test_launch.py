@@ -312,39 +312,31 @@ def test_bad_arguments_reach_triton(stand_ins):
     assert len(normal.calls) == 2 and fast._cache == {}
 
 
-def test_unexpected_compiled_kernel_disables_loudly_once(stand_ins, caplog):
+class _Unloaded(_Compiled):  # an internal API that moved: no loaded function after a launch
+    def __init__(self):
+        super().__init__()
+        self.function = None
+
+
+class _Moved(_Compiled):  # the launcher became a plain callable: no .launch, no scratch sizes
+    def __init__(self):
+        super().__init__()
+        self.run = lambda *args: None
+
+
+@pytest.mark.parametrize(("compiled_type", "reason"), [(_Unloaded, "not loaded"), (_Moved, "'launch'")],
+                         ids=["no-loaded-function", "no-launch-method"])
+def test_unexpected_compiled_kernel_disables_loudly_once(stand_ins, caplog, compiled_type, reason):
     fast, normal, _ = stand_ins
-
-    class Unloaded(_Compiled):  # an internal API that moved: no loaded function after a launch
-        def __init__(self):
-            super().__init__()
-            self.function = None
-
-    normal.compiled_type = Unloaded
+    normal.compiled_type = compiled_type
     x = torch.empty(8)
     with caplog.at_level(logging.WARNING, logger="kernels"):
         for _ in range(3):
             fast.launch((1,), x, x, 8, 0.5, True, BLOCK=128, MODE=0)
-    assert len(normal.calls) == 3 and _launches(normal) == []
-    assert "not loaded" in launch.disabled_reason()
-    warnings = [r for r in caplog.records if "fast kernel launch off" in r.getMessage()]
-    assert len(warnings) == 1
-
-
-def test_launcher_without_launch_function_disables_loudly(stand_ins, caplog):
-    fast, normal, _ = stand_ins
-
-    class Moved(_Compiled):
-        def __init__(self):
-            super().__init__()
-            self.run = lambda *args: None  # a plain callable: no .launch, no scratch sizes
-
-    normal.compiled_type = Moved
-    x = torch.empty(8)
-    with caplog.at_level(logging.WARNING, logger="kernels"):
-        fast.launch((1,), x, x, 8, 0.5, True, BLOCK=128, MODE=0)
-        fast.launch((1,), x, x, 8, 0.5, True, BLOCK=128, MODE=0)
-    assert len(normal.calls) == 2 and "'launch'" in launch.disabled_reason()
+    assert len(normal.calls) == 3  # every call took Triton's own launch
+    if compiled_type is _Unloaded:
+        assert _launches(normal) == []
+    assert reason in launch.disabled_reason()
     assert sum("fast kernel launch off" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -19,7 +19,6 @@ import os
 import shutil
 import subprocess
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -125,13 +124,7 @@ def driver() -> _Driver:
         return _driver
 
 
-@dataclass(frozen=True)
-class Arg:
-    """A kernel argument's C type: ``ptr`` (device pointer), ``i32``, ``i64`` or ``f32``."""
-
-    kind: str
-
-
+# a kernel argument's C type in a signature: device pointer, int32, int64, float
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
