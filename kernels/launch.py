@@ -29,6 +29,17 @@ Per argument-type pattern, the key is built by a small function generated from t
 signature (as Triton's own binder is): a loop over the arguments in Python costs several us more
 on our hosts.
 
+Keyed launches (the ops' hot paths): building that key still costs ~5 us for a kernel with five
+tensors, most of it reading each tensor's dtype, pointer and device. An op that knows its own
+arguments better (its outputs are fresh fp32 allocations, its inputs were validated) names a key
+of its own: ``direct(key)`` returns a launch function stored under it (arguments as ints, grid
+1-D, no key built here), and on a miss the op calls ``launch_keyed(key, grid, *args, **kwargs)``,
+which launches as above and stores the direct launch. The op's key is a promise that every call
+under it binds to the same compiled kernel; ``launch_keyed`` checks the promise whenever it runs
+(a key seen before with another specialization raises :class:`LaunchKeyError`), and
+``RLK_VERIFY_LAUNCH_KEYS=1`` makes every call take ``launch_keyed`` (the GPU tests run the ops'
+cases that way), so a key that is too coarse fails loudly instead of launching the wrong kernel.
+
 The fast path is off (every call is ``kernel[grid](...)``) for interpreted kernels
 (``TRITON_INTERPRET=1``, CPU CI: silently, that is the expected mode), with
 ``VIME_RL_KERNEL_FAST_LAUNCH=0`` (read once, at import), for a Triton version whose launcher was
@@ -40,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -54,15 +65,22 @@ logger = logging.getLogger("kernels")
 # argument in signature order, constexprs included; a pointer as a tensor or an int).
 VERIFIED_TRITON = ("3.6.",)
 ENV_SWITCH = "VIME_RL_KERNEL_FAST_LAUNCH"
+VERIFY_SWITCH = "RLK_VERIFY_LAUNCH_KEYS"
 
 # why the fast path is off in this process (None: on, or not decided yet)
 _disabled: str | None = (
     f"switched off by {ENV_SWITCH}" if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
     else None
 )
+# every keyed call re-derives Triton's specialization and checks it against the op's key (tests)
+verify_keys: bool = os.environ.get(VERIFY_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
 _runtime: _Runtime | None = None  # Triton's entry points, resolved at the first compiled launch
 # under torch.compile, dynamo traces ``kernel[grid](...)`` (a user-defined Triton kernel) as before
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+
+
+class LaunchKeyError(RuntimeError):
+    """An op's launch key maps calls that Triton specializes differently onto one kernel."""
 
 
 def disabled_reason() -> str | None:
@@ -181,6 +199,10 @@ class CachedLaunch:
         self._bind: Callable[..., Any] = lambda *args, **kwargs: None
         self._params: list[tuple[str, bool]] = []
         self._defaults: dict[str, Any] = {}
+        # keyed launches: (device, op key) -> direct launch, and -> the cache key it was stored for
+        self._direct: dict[tuple, Callable[..., None]] = {}
+        self._direct_keys: dict[tuple, tuple] = {}
+        self._constexpr_tail: int | None = None  # number of runtime parameters, if all constexprs trail
         from triton.runtime.jit import JITFunction
 
         # interpreted kernels (TRITON_INTERPRET=1) and anything that is not a plain JITFunction
@@ -191,6 +213,10 @@ class CachedLaunch:
                 self._params = [(p.name, bool(p.is_constexpr)) for p in kernel.params]
                 self._defaults = {p.name: p.default for p in kernel.params if p.has_default}
                 list(kernel.pre_run_hooks)
+                flags = [constexpr for _, constexpr in self._params]
+                runtime_count = flags.count(False)
+                if not any(flags[:runtime_count]):
+                    self._constexpr_tail = runtime_count
             except (AttributeError, TypeError) as exc:
                 self._compiled = False
                 _disable(f"{kernel}: JITFunction is not as expected ({type(exc).__name__}: {exc})")
@@ -237,10 +263,15 @@ class CachedLaunch:
 
     def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         """Launch on the current device and stream, as ``kernel[grid](*args, **kwargs)`` does."""
+        self._launch(grid, args, kwargs)
+
+    def _launch(self, grid: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, tuple] | None:
+        """``launch``; returns (cache key, launch arguments) when the kernel it ran is stored
+        under that key (a hit, or a first call kept), else None."""
         runtime = _runtime
         if runtime is None or not self._compiled or type(grid) is not tuple or _is_compiling() or not runtime.plain():
             self._launch_normally(grid, args, kwargs, runtime)
-            return
+            return None
         try:
             bound = self._bind(*args, **kwargs)  # the binder of the last pattern of argument types
             if bound is None:
@@ -252,33 +283,79 @@ class CachedLaunch:
             key = entry = None
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None and not self.kernel.pre_run_hooks:
-                self._store(key, compiled)
-            return
+            if key is not None and not self.kernel.pre_run_hooks and self._store(key, compiled):
+                return key, bound[1]
+            return None
         launch, function, cooperative, pdl, packed_metadata = entry
         size = len(grid)
         launch(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, runtime.get_stream(device),
                function, cooperative, pdl, None, None, packed_metadata, None, None, None, *bound[1])
+        return key, bound[1]
+
+    def direct(self, key: Hashable) -> Callable[..., None] | None:
+        """The launch stored by ``launch_keyed`` under the op's ``key`` for the current device, if
+        the fast path may run now (else None: call ``launch_keyed``). It is called as
+        ``direct(grid_x, *runtime arguments)``: a 1-D grid, the kernel's non-constexpr arguments
+        in signature order with tensors as ``data_ptr()`` ints; the constexprs and options are the
+        stored call's."""
+        runtime = _runtime
+        if runtime is None or verify_keys or _is_compiling() or not runtime.plain():
+            return None
+        return self._direct.get((runtime.get_device(), key))
+
+    def launch_keyed(self, key: Hashable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        """``launch(grid, *args, **kwargs)``, and keep a direct launch of the kernel it ran under
+        ``key`` (the op's promise: every call under ``key`` binds to this specialization; checked
+        here, :class:`LaunchKeyError` if a call under ``key`` bound to another one)."""
+        ran = self._launch(grid, args, kwargs)
+        if ran is None:  # a normal launch that keeps nothing (hooks, tracing, unmodelled types, ...)
+            return
+        cache_key, launch_args = ran
+        direct_key = (cache_key[0], key)
+        known = self._direct_keys.get(direct_key)
+        if known is not None:
+            if known != cache_key:
+                raise LaunchKeyError(
+                    f"{self.kernel}: the op's launch key {key!r} was stored for Triton's specialization "
+                    f"{known[1]!r}, and this call binds to {cache_key[1]!r}; the op's key must tell them apart"
+                )
+            return
+        if self._constexpr_tail is None or len(grid) != 1:
+            return  # direct launches need trailing constexprs and a 1-D grid: keyed calls stay generic
+        runtime_args, tail = launch_args[:self._constexpr_tail], launch_args[self._constexpr_tail:]
+        if any(type(a) not in (int, float, bool) and a is not None for a in runtime_args):
+            return
+        launch, function, cooperative, pdl, packed_metadata = self._cache[cache_key]
+        get_stream, device = _runtime.get_stream, cache_key[0]
+
+        def direct(grid_x: int, *args: Any) -> None:
+            launch(grid_x, 1, 1, get_stream(device), function, cooperative, pdl, None, None, packed_metadata,
+                   None, None, None, *args, *tail)
+
+        self._direct_keys[direct_key] = cache_key
+        self._direct[direct_key] = direct
 
     def _launch_normally(self, grid: Any, args: tuple, kwargs: dict[str, Any], runtime: _Runtime | None) -> None:
         self.kernel[grid](*args, **kwargs)
         if runtime is None and self._compiled:
             _resolve_runtime()  # the first compiled launch in this process: check Triton once
 
-    def _store(self, key: tuple, compiled: Any) -> None:
-        """Keep what the normal launch compiled (and just launched, so its handles are loaded)."""
+    def _store(self, key: tuple, compiled: Any) -> bool:
+        """Keep what the normal launch compiled (and just launched, so its handles are loaded);
+        whether it was kept."""
         if compiled is None or hasattr(compiled, "result"):  # skipped by a jit hook, or still compiling
-            return
+            return False
         try:
             launcher, function, packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
             launch, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
             scratch = launcher.global_scratch_size, launcher.profile_scratch_size
         except AttributeError as exc:
             _disable(f"Triton's compiled kernel or its launcher has no attribute {exc.name!r}")
-            return
+            return False
         if not callable(launch) or function is None:
             _disable(f"Triton's compiled kernel is not loaded after a launch ({launch=}, {function=})")
-            return
+            return False
         if any(scratch):  # the launcher allocates scratch per call: keep Triton's launcher
-            return
+            return False
         self._cache[key] = (launch, function, cooperative, pdl, packed_metadata)
+        return True

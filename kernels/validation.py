@@ -35,23 +35,30 @@ ID_DTYPES = (torch.int64, torch.int32)
 _POSIX = os.name == "posix"
 
 
-def _getenv(name: str) -> str | None:
-    """``os.environ.get(name)``, faster for an unset name (these flags are read on every call, and
-    a missing key costs os.environ a raised and caught KeyError, ~1-2 us): on POSIX CPython
-    ``os.environ`` keeps its bytes store in ``_data``, updated by every set and delete through
-    ``os.environ`` (``monkeypatch.setenv`` included); anything else takes ``os.environ.get``."""
+_FALSE_WORDS = ("0", "false", "no", "off")
+_FALSE_BYTES = tuple(word.encode() for word in _FALSE_WORDS)
+
+
+def _env_flag(name: bytes, default: bool) -> bool:
+    """Whether the environment flag ``name`` is on: unset or empty gives ``default``; 0, false, no
+    or off (any case, surrounding blanks ignored) is off; anything else is on.
+
+    These flags are read on every call (tests and users flip them at run time), so the common
+    case is kept cheap: on POSIX CPython ``os.environ`` keeps its bytes store in ``_data``, updated
+    by every set and delete through ``os.environ`` (``monkeypatch.setenv`` included), and a bytes
+    lookup there skips the str round trip and, for an unset name, the KeyError ``os.environ.get``
+    raises and catches inside (~1-2 us per flag on our GPU hosts). Anything else takes
+    ``os.environ.get``."""
     data = getattr(os.environ, "_data", None)
     if type(data) is dict and _POSIX:
-        value = data.get(name.encode())
-        return None if value is None else os.fsdecode(value)
-    return os.environ.get(name)
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = _getenv(name)
-    if value is None or value == "":
+        value = data.get(name)
+        if not value:
+            return default
+        return value.strip().lower() not in _FALSE_BYTES
+    text = os.environ.get(os.fsdecode(name))
+    if not text:
         return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    return text.strip().lower() not in _FALSE_WORDS
 
 
 def _compiling() -> bool:
@@ -61,7 +68,7 @@ def _compiling() -> bool:
 
 
 def ids_check_enabled() -> bool:
-    return _env_flag("VIME_RL_KERNEL_CHECK_IDS", True) and not _compiling()
+    return _env_flag(b"VIME_RL_KERNEL_CHECK_IDS", True) and not _compiling()
 
 
 def _reads_device_data(x: torch.Tensor) -> bool:
@@ -71,7 +78,7 @@ def _reads_device_data(x: torch.Tensor) -> bool:
 
 
 def finite_check_enabled() -> bool:
-    return _env_flag("VIME_RL_KERNEL_CHECK_FINITE", False)
+    return _env_flag(b"VIME_RL_KERNEL_CHECK_FINITE", False)
 
 
 def check_tensor(x: object, name: str) -> torch.Tensor:
@@ -158,12 +165,16 @@ def check_mask(mask: torch.Tensor, name: str, num_tokens: int, device: torch.dev
         raise ValueError(f"{name} must be bool or floating point, got {mask.dtype}")
 
 
-def check_temperature(temperature: float) -> None:
+def check_temperature(temperature: float) -> float:
+    """temperature: a finite Python number > 0; returns it as a float."""
+    if type(temperature) is float and 0.0 < temperature < math.inf:
+        return temperature  # the common case, cheaply (NaN fails the comparison)
     if isinstance(temperature, torch.Tensor):
         raise TypeError("temperature must be a Python float, not a tensor")
     t = float(temperature)
     if not math.isfinite(t) or t <= 0.0:
         raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    return t
 
 
 def check_lengths(

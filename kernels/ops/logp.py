@@ -159,18 +159,37 @@ _BWD = CachedLaunch(_logp_bwd_kernel)
 def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, stats=True):
     """(logp or its TP partial, row max, sum-exp), fp32 [T] each. ``stats=False`` (nothing to
     differentiate): one [T] allocation, passed for the unused statistics pointers too (``STATS=False``
-    compiles their stores out); the three returned tensors are then the same one."""
+    compiles their stores out); the three returned tensors are then the same one.
+
+    ``temperature`` (float) and ``ignore_index`` / ``vocab_start`` (int) must be Python numbers.
+    The launch key holds everything Triton specializes this kernel on: the inputs' dtypes,
+    16-byte alignment, device and type; the outputs are fresh fp32 allocations (aligned; the
+    statistics rows of the [3, T] buffer when T % 4 == 0); the ints by value; the constexprs
+    follow from the rest (checked under ``RLK_VERIFY_LAUNCH_KEYS=1``, see kernels/launch.py)."""
     num_tokens, vocab = logits.shape
     # one allocation for the [T] outputs (host time: small calls are launch-bound)
     if stats:
         out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device).unbind()
     else:
         out = row_max = row_sumexp = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+    logits_ptr, ids_ptr, out_ptr = logits.data_ptr(), ids.data_ptr(), out.data_ptr()
+    stride = logits.stride(0)
+    key = (type(logits), type(ids), logits.get_device(), logits.dtype, ids.dtype, logits_ptr % 16 == 0,
+           ids_ptr % 16 == 0, stats and num_tokens % 4 == 0, vocab, stride, vocab_start, ignore_index,
+           temperature != 1.0, partial, stats)
+    direct = _FWD.direct(key)
+    if direct is not None:
+        if stats:
+            direct(num_tokens, logits_ptr, ids_ptr, out_ptr, out_ptr + 4 * num_tokens, out_ptr + 8 * num_tokens,
+                   stride, vocab, vocab_start, ignore_index, temperature)
+        else:
+            direct(num_tokens, logits_ptr, ids_ptr, out_ptr, out_ptr, out_ptr, stride, vocab, vocab_start,
+                   ignore_index, temperature)
+        return out, row_max, row_sumexp
     block, warps = _forward_block(vocab, logits.dtype)
-    _FWD.launch(
-        (num_tokens,), logits, ids, out, row_max, row_sumexp,
-        logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
-        BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, STATS=stats, num_warps=warps,
+    _FWD.launch_keyed(
+        key, (num_tokens,), logits, ids, out, row_max, row_sumexp, stride, vocab, vocab_start, ignore_index,
+        temperature, BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, STATS=stats, num_warps=warps,
     )
     return out, row_max, row_sumexp
 
@@ -243,12 +262,13 @@ def logp(
     """Selected log-prob (see module docstring). logits [T, V] (or [T, V_local] with ``tp_group``),
     target_ids [T] global ids -> fp32 [T], differentiable w.r.t. ``logits``."""
     num_tokens, vocab = validation.check_logits(logits)
-    validation.check_temperature(temperature)
+    temperature = validation.check_temperature(temperature)
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
     validation.check_target_ids(target_ids, num_tokens, vocab * world, logits.device, ignore_index)
+    ignore_index = int(ignore_index)
     if not (logits.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip autograd.Function's bookkeeping (~20 us of host time)
         if tp_group is None:
-            return _launch_fwd(logits, target_ids, temperature, int(ignore_index), 0, False, stats=False)[0]
-        return logp_forward_stats(logits, target_ids, float(temperature), int(ignore_index), tp_group)[0]
-    return LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)
+            return _launch_fwd(logits, target_ids, temperature, ignore_index, 0, False, stats=False)[0]
+        return logp_forward_stats(logits, target_ids, temperature, ignore_index, tp_group)[0]
+    return LogpFunction.apply(logits, target_ids, temperature, ignore_index, tp_group)

@@ -101,12 +101,27 @@ _FWD = CachedLaunch(_ratio_kl_fwd_kernel)
 _BWD = CachedLaunch(_ratio_kl_bwd_kernel)
 
 
+_I32_MAX = 2**31 - 1
+
+
 def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
+    """(ratio, kl), fresh fp32 [T] each. The launch key holds everything Triton specializes the
+    kernel on (kernels/launch.py): the inputs' dtypes, 16-byte alignment, device and type; the
+    outputs are fresh allocations like ``logp`` (aligned, fp32: validated); ``n`` as Triton sees an
+    int (== 1, a multiple of 16, 32-bit); the constexprs."""
     n = logp.shape[0]
     ratio = torch.empty_like(logp)
     kl = torch.empty_like(logp)
-    _FWD.launch(
-        _grid(n), logp, old_logp, ref_logp, mask, ratio, kl, n,
+    pointers = logp.data_ptr(), old_logp.data_ptr(), ref_logp.data_ptr(), mask.data_ptr()
+    key = (type(logp), type(old_logp), type(ref_logp), type(mask), logp.get_device(), old_logp.dtype,
+           ref_logp.dtype, mask.dtype, pointers[0] % 16 == 0, pointers[1] % 16 == 0, pointers[2] % 16 == 0,
+           pointers[3] % 16 == 0, n == 1, n % 16 == 0, n <= _I32_MAX, kl_code, unbiased)
+    direct = _FWD.direct(key)
+    if direct is not None:
+        direct((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK, *pointers, ratio.data_ptr(), kl.data_ptr(), n)
+        return ratio, kl
+    _FWD.launch_keyed(
+        key, _grid(n), logp, old_logp, ref_logp, mask, ratio, kl, n,
         BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased,
     )
     return ratio, kl

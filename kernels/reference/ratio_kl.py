@@ -18,13 +18,13 @@ def check_ratio_kl_inputs(
     validation.check_tensor(logp, "logp")
     if logp.dim() != 1:
         raise ValueError(f"logp must be 1-D [T], got shape {tuple(logp.shape)}")
-    num_tokens = logp.shape[0]
-    validation.check_token_vector(logp, "logp", num_tokens, logp.device)
+    num_tokens, device = logp.shape[0], logp.device
+    validation.check_token_vector(logp, "logp", num_tokens, device)
     if logp.dtype != torch.float32:
         raise ValueError(f"logp must be float32, got {logp.dtype}")
-    validation.check_token_vector(old_logp, "old_logp", num_tokens, logp.device)
-    validation.check_token_vector(ref_logp, "ref_logp", num_tokens, logp.device)
-    validation.check_mask(mask, "mask", num_tokens, logp.device)
+    validation.check_token_vector(old_logp, "old_logp", num_tokens, device)
+    validation.check_token_vector(ref_logp, "ref_logp", num_tokens, device)
+    validation.check_mask(mask, "mask", num_tokens, device)
 
 
 def ratio_kl(

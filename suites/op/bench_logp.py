@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from rlk_bench import OURS, dtype_bytes, host_overhead_us, liger_available, measure, record_limit
+from rlk_bench import OURS, dtype_bytes, liger_available, record_host_overhead, measure, record_limit
 
 from kernels.ops.logp import logp
 from kernels.reference import selected_logprob
@@ -94,6 +94,5 @@ def test_bench_logp_small_launch_bound(rlk_metrics, num_tokens):
     bytes_moved = num_tokens * 151936 * 2
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, memory=False)
-        host = host_overhead_us(lambda: logp(logits, ids))
-    rlk_metrics.record("rlk_host_overhead_us", host, unit="us", direction="lower_is_better", space="time",
-                       tags={**tags, "ids_check": os.environ.get("VIME_RL_KERNEL_CHECK_IDS", "1")}, gate=False)
+        record_host_overhead(rlk_metrics, lambda: logp(logits, ids),
+                             {**tags, "ids_check": os.environ.get("VIME_RL_KERNEL_CHECK_IDS", "1")})

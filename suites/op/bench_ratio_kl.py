@@ -1,13 +1,14 @@
 """ratio_kl benchmark (GPU): elementwise forward and forward+backward against the HBM limit.
 
 Forward moves 4 fp32 reads (logp, old, ref, mask as fp32) and 2 writes per token; the backward
-reads the same 4 plus 2 incoming gradients and writes 1. Peer: torch.compile of the reference."""
+reads the same 4 plus 2 incoming gradients and writes 1. Peer: torch.compile of the reference.
+Small shapes (T <= 64) are launch-bound: reported separately, with the host overhead per call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rlk_bench import OURS, measure, record_limit
+from rlk_bench import OURS, measure, record_host_overhead, record_limit
 
 from kernels.ops.ratio_kl import ratio_kl
 from kernels.reference import ratio_kl as reference_ratio_kl
@@ -45,3 +46,16 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
     result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
                         graph=True)
     assert result_ms > 0
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_bench_ratio_kl_small_launch_bound(rlk_metrics, num_tokens):
+    """Launch-bound shapes: device time and the host overhead per call (target < 20 us)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logp = -torch.rand(num_tokens, device="cuda", generator=gen) * 5
+    old, ref = logp + 0.1, logp - 0.1
+    mask = torch.rand(num_tokens, device="cuda", generator=gen) > 0.1
+    tags = {"op": "ratio_kl", "pass": "fwd", "dtype": "fp32", "shape": str(num_tokens), "size": "small"}
+    with torch.no_grad():
+        measure(rlk_metrics, OURS, lambda: ratio_kl(logp, old, ref, mask), 6 * 4 * num_tokens, tags, memory=False)
+        record_host_overhead(rlk_metrics, lambda: ratio_kl(logp, old, ref, mask), tags)

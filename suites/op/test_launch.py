@@ -372,6 +372,78 @@ def test_interpreted_kernels_always_launch_normally():
         assert not fast._compiled  # CPU: the interpreter, through Triton's own launch
 
 
+# ---------------------------------------------------------------- keyed launches (the ops' own keys)
+
+
+def _keyed(fast, key, x, n=8, **constexprs):
+    fast.launch_keyed(key, (2,), x, x, n, 0.5, True, **{"BLOCK": 128, "MODE": 2, **constexprs})
+
+
+def test_keyed_call_stores_a_direct_launch_with_the_constexprs_appended(stand_ins):
+    fast, normal, runtime = stand_ins
+    x = torch.empty(8)
+    assert fast.direct("k") is None  # nothing stored yet: the op calls launch_keyed
+    _keyed(fast, "k", x)
+    assert len(normal.calls) == 1
+    direct = fast.direct("k")
+    assert direct is not None
+    direct(7, 0x1000, 0x2000, 24, 0.25, False)
+    assert len(normal.calls) == 1, "a direct launch went through the normal launch"
+    assert _launches(normal) == [(7, 1, 1, 0xABC, 0xF00, False, False, None, None, (4, 1, 0), None, None, None,
+                                  0x1000, 0x2000, 24, 0.25, False, 128, 2)]
+
+
+def test_a_key_that_merges_two_specializations_is_refused(stand_ins):
+    fast, normal, _ = stand_ins
+    base = torch.empty(64)
+    _keyed(fast, "too coarse", base)
+    _keyed(fast, "too coarse", base)  # same specialization: fine (a generic hit)
+    with pytest.raises(launch.LaunchKeyError, match="'too coarse'.*must tell them apart"):
+        _keyed(fast, "too coarse", base[1:])  # misaligned: Triton's key differs
+    with pytest.raises(launch.LaunchKeyError):
+        _keyed(fast, "too coarse", base, MODE=3)  # another constexpr under the same op key
+
+
+def test_verify_mode_sends_every_keyed_call_through_the_check(stand_ins, monkeypatch):
+    fast, normal, _ = stand_ins
+    x = torch.empty(8)
+    _keyed(fast, "k", x)
+    monkeypatch.setattr(launch, "verify_keys", True)
+    assert fast.direct("k") is None
+    with pytest.raises(launch.LaunchKeyError):
+        _keyed(fast, "k", x[1:])
+
+
+@pytest.mark.parametrize("state", ["hooked", "compiling", "other device", "disabled"])
+def test_direct_launch_is_withheld_when_the_fast_path_may_not_run(stand_ins, monkeypatch, state):
+    fast, normal, runtime = stand_ins
+    _keyed(fast, "k", torch.empty(8))
+    assert fast.direct("k") is not None
+    if state == "hooked":
+        runtime.hooked = True
+    elif state == "compiling":
+        monkeypatch.setattr(launch, "_is_compiling", lambda: True)
+    elif state == "other device":
+        runtime.device = 1  # stored for device 0: device 1's stream and context are not its own
+    else:
+        launch._disable("test")
+    assert fast.direct("k") is None
+
+
+def test_kernels_without_trailing_constexprs_keep_keyed_calls_generic(stand_ins):
+    def interleaved(x_ptr, BLOCK: tl.constexpr, n):
+        """Signature stand-in: a constexpr before a runtime parameter."""
+
+    fast = _jit(interleaved)
+    normal = _Normal()
+    fast.kernel = normal
+    x = torch.empty(8)
+    for _ in range(2):
+        fast.launch_keyed("k", (1,), x, 64, 8)
+    assert fast.direct("k") is None
+    assert len(normal.calls) == 1 and len(_launches(normal)) == 1  # the second call: a generic hit
+
+
 # ---------------------------------------------------------------- the ops still reject bad input
 
 
@@ -519,32 +591,71 @@ def test_fast_launch_is_bitwise_the_normal_launch_across_dtype_and_alignment():
     assert len(fast._cache) == len(seen)
 
 
-@pytest.mark.gpu
-def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
+def _op_calls(logits, ids, ratio_inputs):
+    """The ops' keyed launches over what their keys must tell apart: dtypes, misaligned logits /
+    ids / inputs, int32 ids, temperature, T % 4 (statistics rows of the [3, T] buffer), n == 1 and
+    n % 16, bool / float / half masks, no-grad and with-statistics forwards."""
+    stats = logp_op.logp_forward_stats
+    out = [logp_op.logp(logits, ids), logp_op.logp(logits[1:], ids[1:]),
+           logp_op.logp(logits[:, 1:], ids.clamp(max=logits.shape[1] - 2)), logp_op.logp(logits.float(), ids),
+           logp_op.logp(logits.half(), ids.int()), logp_op.logp(logits[:1], ids[:1], 0.7),
+           *stats(logits, ids, 1.0, -100, None)[:3], *stats(logits[:5], ids[:5], 0.7, -100, None)[:3],
+           *stats(logits[1:], ids[1:], 1.0, -100, None)[:3]]
+    for inputs in (ratio_inputs, [x[1:] for x in ratio_inputs], [*ratio_inputs[:3], ratio_inputs[3].half()],
+                   [x[:1] for x in ratio_inputs], [x[:32] for x in ratio_inputs]):
+        out += [*ratio_kl_op.ratio_kl(*inputs), *ratio_kl_op.ratio_kl(*inputs, kl_type="k1", use_unbiased_kl=True)]
+    return out
+
+
+def _require_fast_path():
     if not triton.__version__.startswith(launch.VERIFIED_TRITON):
         pytest.skip(f"triton {triton.__version__}: the fast path is off for unverified versions")
     assert launch._resolve_runtime() is not None, launch.disabled_reason()
+
+
+@pytest.mark.gpu
+def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
+    _require_fast_path()
     logits = make_logits(64, 151936, torch.bfloat16)
     ids = make_ids(64, 151936, ignore_every=5)
     inputs = _ratio_inputs(3000)
-
-    def calls():
-        return [logp_op.logp(logits, ids), logp_op.logp(logits[1:], ids[1:]),
-                logp_op.logp(logits[:, 1:], ids.clamp(max=151934)), logp_op.logp(logits.float(), ids),
-                *ratio_kl_op.ratio_kl(*inputs),
-                *ratio_kl_op.ratio_kl(*[x[1:] for x in inputs]), *ratio_kl_op.ratio_kl(*inputs[:3], inputs[3].half())]
-
+    ops = (logp_op._FWD, ratio_kl_op._FWD)
     with torch.no_grad():
-        calls()  # first calls: Triton's launch, kernels stored
-        sizes = (len(logp_op._FWD._cache), len(ratio_kl_op._FWD._cache))
-        fast = calls()  # hits only
-        assert (len(logp_op._FWD._cache), len(ratio_kl_op._FWD._cache)) == sizes
+        _op_calls(logits, ids, inputs)  # first calls: Triton's launch, direct launches stored
+        counters = {}
+        for op in ops:
+            counters[op] = counting = _CountingKernel(op.kernel)
+            monkeypatch.setattr(op, "kernel", counting)
+            keyed = op.launch_keyed
+
+            def count_keyed(*args, _keyed=keyed, _counting=counting, **kwargs):
+                _counting.calls += 1
+                return _keyed(*args, **kwargs)
+
+            monkeypatch.setattr(op, "launch_keyed", count_keyed)
+        fast = _op_calls(logits, ids, inputs)  # direct launches only
+        assert [counters[op].calls for op in ops] == [0, 0], "logp / ratio_kl: a repeat call missed its direct launch"
         assert launch.disabled_reason() is None
-        for op in (logp_op._FWD, ratio_kl_op._FWD):
+        for op in ops:
             monkeypatch.setattr(op, "_compiled", False)  # Triton's own launch from here on
-        normal = calls()
+        normal = _op_calls(logits, ids, inputs)
     for i, (a, b) in enumerate(zip(fast, normal)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+@pytest.mark.gpu
+def test_ops_launch_keys_tell_apart_what_triton_specializes(monkeypatch):
+    """Every call re-derives Triton's specialization and checks it against the op's key
+    (RLK_VERIFY_LAUNCH_KEYS): a key too coarse for any of these cases raises LaunchKeyError."""
+    _require_fast_path()
+    monkeypatch.setattr(launch, "verify_keys", True)
+    with torch.no_grad():
+        for vocab, num_tokens in ((151936, 64), (32000, 17), (1000, 4)):
+            logits = make_logits(num_tokens, vocab, torch.bfloat16, seed=vocab)
+            ids = make_ids(num_tokens, vocab, ignore_every=3)
+            for _ in range(2):
+                _op_calls(logits, ids, _ratio_inputs(num_tokens * 40))
+    assert launch.disabled_reason() is None
 
 
 @pytest.mark.gpu
