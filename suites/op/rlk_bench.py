@@ -121,29 +121,35 @@ def record_host_overhead(rlk_metrics, fn: Callable[[], object], tags: dict[str, 
     return min(medians)
 
 
-def host_overhead_us(fn: Callable[[], object], calls: int = 1000, blocks: int = 5) -> float:
+def host_overhead_us(fn: Callable[[], object], calls: int = 1000, blocks: int = 8) -> float:
     """Host time of one call of ``fn`` (us): the time the calling thread spends inside it, the GPU's
-    own time excluded (no sync inside the timed span; a sync every 100 calls, outside it, keeps the
-    launch queue from filling, which would make a call wait for the GPU).
+    own time excluded; the lowest of :func:`host_overhead_blocks_us`.
 
-    ``blocks`` blocks of ``calls`` calls; the result is the lowest block median. The GPU machines'
-    hosts are shared: in one process the median of a block swings up to 2x from one block to the
-    next (other tenants, frequency), and that only ever adds time, so, as ``timeit`` advises, the
-    least disturbed block is the estimate of what the call costs; :func:`host_overhead_blocks_us`
-    keeps every block median for the record."""
+    Why the lowest block: the GPU machines' hosts are shared, and their speed comes in regimes that
+    last seconds (on the H100 host, run 33: every block median of ``logp`` at 12.6-13.5 us for a few
+    seconds, then 19.4-20.3 us, ``torch.empty`` alone 2.5 then 4.6 us). That only ever adds time,
+    so, as ``timeit`` advises, the least disturbed block estimates what the call costs; the blocks
+    are spread over ~2 s to meet more than one regime, and every block median is kept in the
+    record (:func:`record_host_overhead`)."""
     return min(host_overhead_blocks_us(fn, calls, blocks))
 
 
-def host_overhead_blocks_us(fn: Callable[[], object], calls: int = 1000, blocks: int = 5) -> list[float]:
-    """The median host time per call of ``fn`` (us) in each of ``blocks`` blocks of ``calls``."""
+def host_overhead_blocks_us(fn: Callable[[], object], calls: int = 1000, blocks: int = 8,
+                            pause_s: float = 0.25) -> list[float]:
+    """The median host time per call of ``fn`` (us) in each of ``blocks`` blocks of ``calls``,
+    ``pause_s`` apart. No sync inside a timed span; a sync every 100 calls, outside it, keeps the
+    launch queue from filling (a full queue makes a call wait for the GPU); 50 untimed calls
+    before each block."""
     import statistics
     import time
 
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
     medians = []
-    for _ in range(blocks):
+    for block in range(blocks):
+        if block:
+            time.sleep(pause_s)
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
         spans = []
         for i in range(calls):
             start = time.perf_counter()
