@@ -16,12 +16,14 @@ def check_ratio_kl_inputs(
     logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
 ) -> None:
     validation.check_tensor(logp, "logp")
-    if logp.dim() != 1:
-        raise ValueError(f"logp must be 1-D [T], got shape {tuple(logp.shape)}")
-    num_tokens, device = logp.shape[0], logp.device
-    validation.check_token_vector(logp, "logp", num_tokens, device)
+    shape = logp.shape
+    if len(shape) != 1:
+        raise ValueError(f"logp must be 1-D [T], got shape {tuple(shape)}")
     if logp.dtype != torch.float32:
         raise ValueError(f"logp must be float32, got {logp.dtype}")
+    num_tokens, device = shape[0], logp.device
+    if num_tokens == 0:
+        raise ValueError("logp is empty (T == 0)")
     validation.check_token_vector(old_logp, "old_logp", num_tokens, device)
     validation.check_token_vector(ref_logp, "ref_logp", num_tokens, device)
     validation.check_mask(mask, "mask", num_tokens, device)

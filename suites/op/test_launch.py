@@ -510,6 +510,8 @@ RATIO_KL_ERRORS = {
     "kl_type": (lambda i: (i, {"kl_type": "k4"}), ValueError, "kl_type must be one of"),
     "kl_type not a str": (lambda i: (i, {"kl_type": None}), ValueError, "kl_type must be one of"),
     "fp64 logp": (lambda i: ([i[0].double(), *i[1:]], {}), ValueError, "logp must be float32"),
+    "int logp": (lambda i: ([i[0].long(), *i[1:]], {}), ValueError, "logp must be float32, got torch.int64"),
+    "empty": (lambda i: ([x[:0] for x in i], {}), ValueError, r"logp is empty \(T == 0\)"),
     "2-D logp": (lambda i: ([i[0][None], *i[1:]], {}), ValueError, "logp must be 1-D"),
     "short old_logp": (lambda i: ([i[0], i[1][:-1], *i[2:]], {}), ValueError, r"old_logp must have shape \[16\]"),
     "int mask": (lambda i: ([*i[:3], i[3].int()], {}), ValueError, "mask must be bool or floating point"),
