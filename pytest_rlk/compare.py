@@ -97,8 +97,15 @@ def compare_to_baseline(test_record: TestRecord, baseline: Baseline | None, *,
         new = _scalar_under(m, ref)
         result.comparisons.append(compare_value(
             name, ref.ref, new, direction=ref.direction, band=ref.band, refresh_rel=refresh_rel))
+    ungated = {m.name: m for m in test_record.metrics if not m.gate}
     for name, ref in baseline.metrics.items():
-        if name not in by_name:
+        if name in by_name:
+            continue
+        if name in ungated:
+            result.comparisons.append(MetricComparison(
+                name=name, baseline=ref.ref, new=_safe_scalar(ungated[name]), direction=ref.direction,
+                verdict=Verdict.UNGATED, detail="in the baseline; recorded, but its test no longer gates it"))
+        else:
             result.comparisons.append(MetricComparison(
                 name=name, baseline=ref.ref, direction=ref.direction,
                 verdict=Verdict.MISSING_METRIC, detail="in the baseline but not recorded"))

@@ -1,7 +1,8 @@
 """The per-test gate: compare a finished test's metrics with its baseline, update baselines.
 
 ``--rlk-update-baselines=failed`` rewrites only baselines that fail (regressed or missing
-metrics, a missing file, new metrics) and the test still fails; ``=all`` rewrites every baseline
+metrics, a missing file) or are out of date (new metrics, metrics no longer gated) and the test
+still fails if it failed; ``=all`` rewrites every baseline
 a test touches and the gate passes. In a failed-mode rewrite, metrics that passed keep their old
 reference, so a rewrite never drifts values that were fine.
 """
@@ -16,7 +17,7 @@ from pytest_rlk.schema import SCHEMA_VERSION, Baseline, GateResult, TestRecord, 
 
 UNTIERED = "untiered"
 _REWRITE_IN_FAILED_MODE = (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.MISSING_BASELINE,
-                           Verdict.NEW_METRIC)
+                           Verdict.NEW_METRIC, Verdict.UNGATED)
 
 
 @dataclass

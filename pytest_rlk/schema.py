@@ -83,10 +83,18 @@ class Verdict(str, Enum):
     MISSING_BASELINE = "missing_baseline"
     MISSING_METRIC = "missing_metric"
     NEW_METRIC = "new_metric"
+    # the baseline gates it; this run recorded it but its test no longer gates it (a deliberate
+    # change of what gates, e.g. wall time -> CUDA-graph time): not a failure, and
+    # --rlk-update-baselines=failed drops it from the baseline
+    UNGATED = "ungated"
 
     @property
     def label(self) -> str:
-        return "improved (refresh the baseline)" if self is Verdict.IMPROVED else self.value
+        if self is Verdict.IMPROVED:
+            return "improved (refresh the baseline)"
+        if self is Verdict.UNGATED:
+            return "no longer gated by its test (refresh the baseline)"
+        return self.value
 
 
 class MetricComparison(_Strict):

@@ -62,7 +62,7 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
             written.append(t.gate.baseline_path)
         for c in t.gate.comparisons:
             verdicts[c.verdict.value] += 1
-            if c.verdict in (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.IMPROVED):
+            if c.verdict in (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.IMPROVED, Verdict.UNGATED):
                 problem_lines.append(f"  {c.verdict.label}: {t.case}/{c.name}: baseline "
                                      f"{fmt(c.baseline)}, new {fmt(c.new)} ({c.detail})")
     if verdicts:

@@ -74,6 +74,19 @@ def test_compare_to_baseline_verdicts():
     assert result.failed()
 
 
+def test_a_metric_the_test_stops_gating_is_reported_not_failed():
+    # e.g. a benchmark that now gates its CUDA-graph time: the baseline's gated wall time is
+    # still recorded, ungated, and the graph time is new
+    base = _baseline(wall=_metric("wall", 1.0, band=BAND))
+    rec = _record(_metric("wall", 5.0, gate=False), _metric("graph", 0.9))
+    result = compare_to_baseline(rec, base)
+    by_name = {c.name: c for c in result.comparisons}
+    assert {n: c.verdict for n, c in by_name.items()} == {"graph": Verdict.NEW_METRIC, "wall": Verdict.UNGATED}
+    assert (by_name["wall"].baseline, by_name["wall"].new) == (1.0, 5.0)
+    assert not result.failed() and result.regressions == []
+    assert "no longer gated" in Verdict.UNGATED.label
+
+
 def test_compare_to_missing_baseline():
     result = compare_to_baseline(_record(_metric("a", 1.0)), None)
     assert result.missing_baseline and not result.failed()

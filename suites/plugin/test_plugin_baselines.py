@@ -113,6 +113,33 @@ def test_improvement_is_flagged_and_can_fail(gated, monkeypatch):
     _run(gated, "--rlk-refresh-rel=1.0", "--rlk-fail-on-improvement").assert_outcomes(passed=2)
 
 
+SWITCHING = """
+import os
+
+def test_bench(rlk_metrics):
+    graph = os.environ.get("GATE_GRAPH") == "1"
+    rlk_metrics.record("wall_ms", 5.0, unit="ms", direction="lower_is_better", space="time", gate=not graph)
+    if graph:
+        rlk_metrics.record("graph_ms", 1.0, unit="ms", direction="lower_is_better", space="time")
+"""
+
+
+def test_a_test_that_changes_what_gates_passes_and_is_re_recorded_by_failed_mode(rlk_pytester, monkeypatch):
+    monkeypatch.delenv("GATE_GRAPH", raising=False)
+    rlk_pytester.makepyfile(**{"suites/op/test_switch": SWITCHING})
+    _run(rlk_pytester, "--rlk-update-baselines=all").assert_outcomes(passed=1)
+    path = "baselines/op/cpu/test_switch.test_bench.json"
+    monkeypatch.setenv("GATE_GRAPH", "1")  # the test now gates graph_ms; wall_ms is recorded, ungated
+    result = _run(rlk_pytester, "--rlk-require-baselines")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*no longer gated by its test (refresh the baseline): test_switch.test_bench/wall_ms*"])
+    _run(rlk_pytester, "--rlk-update-baselines=failed").assert_outcomes(passed=1)
+    assert set(json.loads((rlk_pytester.path / path).read_text())["metrics"]) == {"graph_ms"}
+    result = _run(rlk_pytester, "--rlk-require-baselines")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gate: 1 pass"])
+
+
 def test_corrupt_baseline_names_file_and_field(gated):
     _run(gated, "--rlk-update-baselines=all")
     data = json.loads((gated.path / SECOND).read_text())
