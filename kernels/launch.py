@@ -66,6 +66,8 @@ logger = logging.getLogger("kernels")
 VERIFIED_TRITON = ("3.6.",)
 ENV_SWITCH = "VIME_RL_KERNEL_FAST_LAUNCH"
 VERIFY_SWITCH = "RLK_VERIFY_LAUNCH_KEYS"
+# the ranges Triton sorts an int argument by (i32, i64, u64); ops' own launch keys use them too
+I32_MIN, I32_MAX, U64_MIN = -(2**31), 2**31 - 1, 2**63
 
 # why the fast path is off in this process (None: on, or not decided yet)
 _disabled: str | None = (
@@ -230,8 +232,8 @@ class CachedLaunch:
             if kinds is None:
                 return None
             if kinds not in self._binders:
-                namespace = {"_rlk_Tensor": torch.Tensor, "_rlk_pattern": kinds, "_rlk_I32_MIN": -(2**31),
-                             "_rlk_I32_MAX": 2**31 - 1, "_rlk_U64_MIN": 2**63}
+                namespace = {"_rlk_Tensor": torch.Tensor, "_rlk_pattern": kinds, "_rlk_I32_MIN": I32_MIN,
+                             "_rlk_I32_MAX": I32_MAX, "_rlk_U64_MIN": U64_MIN}
                 exec(binder_source(self._params, kinds), namespace)  # noqa: S102 (our own generated source)
                 bind = namespace["bind"]
                 bind.__defaults__ = self._signature_defaults()
@@ -322,9 +324,7 @@ class CachedLaunch:
             return
         if self._constexpr_tail is None or len(grid) != 1:
             return  # direct launches need trailing constexprs and a 1-D grid: keyed calls stay generic
-        runtime_args, tail = launch_args[:self._constexpr_tail], launch_args[self._constexpr_tail:]
-        if any(type(a) not in (int, float, bool) and a is not None for a in runtime_args):
-            return
+        tail = launch_args[self._constexpr_tail:]  # the constexprs' values, appended to every direct call
         launch, function, cooperative, pdl, packed_metadata = self._cache[cache_key]
         get_stream, device = _runtime.get_stream, cache_key[0]
 

@@ -179,12 +179,10 @@ def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, st
            temperature != 1.0, partial, stats)
     direct = _FWD.direct(key)
     if direct is not None:
-        if stats:
-            direct(num_tokens, logits_ptr, ids_ptr, out_ptr, out_ptr + 4 * num_tokens, out_ptr + 8 * num_tokens,
-                   stride, vocab, vocab_start, ignore_index, temperature)
-        else:
-            direct(num_tokens, logits_ptr, ids_ptr, out_ptr, out_ptr, out_ptr, stride, vocab, vocab_start,
-                   ignore_index, temperature)
+        # the statistics rows of the [3, T] buffer, or (no statistics) the one [T] output again
+        row_max_ptr, sumexp_ptr = (out_ptr + 4 * num_tokens, out_ptr + 8 * num_tokens) if stats else (out_ptr, out_ptr)
+        direct(num_tokens, logits_ptr, ids_ptr, out_ptr, row_max_ptr, sumexp_ptr, stride, vocab, vocab_start,
+               ignore_index, temperature)
         return out, row_max, row_sumexp
     block, warps = _forward_block(vocab, logits.dtype)
     _FWD.launch_keyed(

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import CachedLaunch
+from kernels.launch import I32_MAX, CachedLaunch
 from kernels.reference.kl import KL_TYPES, check_kl_type
 from kernels.reference.ratio_kl import check_ratio_kl_inputs
 
@@ -101,9 +101,6 @@ _FWD = CachedLaunch(_ratio_kl_fwd_kernel)
 _BWD = CachedLaunch(_ratio_kl_bwd_kernel)
 
 
-_I32_MAX = 2**31 - 1
-
-
 def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
     """(ratio, kl), fresh fp32 [T] each. The launch key holds everything Triton specializes the
     kernel on (kernels/launch.py): the inputs' dtypes, 16-byte alignment, device and type; the
@@ -115,13 +112,14 @@ def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
     pointers = logp.data_ptr(), old_logp.data_ptr(), ref_logp.data_ptr(), mask.data_ptr()
     key = (type(logp), type(old_logp), type(ref_logp), type(mask), logp.get_device(), old_logp.dtype,
            ref_logp.dtype, mask.dtype, pointers[0] % 16 == 0, pointers[1] % 16 == 0, pointers[2] % 16 == 0,
-           pointers[3] % 16 == 0, n == 1, n % 16 == 0, n <= _I32_MAX, kl_code, unbiased)
+           pointers[3] % 16 == 0, n == 1, n % 16 == 0, n <= I32_MAX, kl_code, unbiased)
+    grid = _grid(n)
     direct = _FWD.direct(key)
     if direct is not None:
-        direct((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK, *pointers, ratio.data_ptr(), kl.data_ptr(), n)
+        direct(grid[0], *pointers, ratio.data_ptr(), kl.data_ptr(), n)
         return ratio, kl
     _FWD.launch_keyed(
-        key, _grid(n), logp, old_logp, ref_logp, mask, ratio, kl, n,
+        key, grid, logp, old_logp, ref_logp, mask, ratio, kl, n,
         BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased,
     )
     return ratio, kl

@@ -113,31 +113,25 @@ def record_limit(rlk_metrics, bytes_moved: int, tags: dict[str, object], name: s
 
 
 def record_host_overhead(rlk_metrics, fn: Callable[[], object], tags: dict[str, object]) -> float:
-    """Record ``rlk_host_overhead_us`` of ``fn`` (:func:`host_overhead_us`, not gated: host time
-    depends on the host), with every block median in the tags; returns it."""
+    """Record ``rlk_host_overhead_us`` of ``fn`` (us per call, not gated: host time depends on the
+    host): the lowest of :func:`host_overhead_blocks_us`, every block median in the tags; returns it.
+
+    Why the lowest block: the GPU machines' hosts are shared, and their speed comes in regimes that
+    last seconds (on the H100 host, run 33: every block median of ``logp`` at 12.6-13.5 us for a few
+    seconds, then 19.4-20.3 us, ``torch.empty`` alone 2.5 then 4.6 us). That only ever adds time,
+    so, as ``timeit`` advises, the least disturbed block estimates what the call costs; the blocks
+    are spread over ~2 s to meet more than one regime."""
     medians = host_overhead_blocks_us(fn)
     rlk_metrics.record("rlk_host_overhead_us", min(medians), unit="us", direction="lower_is_better", space="time",
                        tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in medians)}, gate=False)
     return min(medians)
 
 
-def host_overhead_us(fn: Callable[[], object], calls: int = 1000, blocks: int = 8) -> float:
-    """Host time of one call of ``fn`` (us): the time the calling thread spends inside it, the GPU's
-    own time excluded; the lowest of :func:`host_overhead_blocks_us`.
-
-    Why the lowest block: the GPU machines' hosts are shared, and their speed comes in regimes that
-    last seconds (on the H100 host, run 33: every block median of ``logp`` at 12.6-13.5 us for a few
-    seconds, then 19.4-20.3 us, ``torch.empty`` alone 2.5 then 4.6 us). That only ever adds time,
-    so, as ``timeit`` advises, the least disturbed block estimates what the call costs; the blocks
-    are spread over ~2 s to meet more than one regime, and every block median is kept in the
-    record (:func:`record_host_overhead`)."""
-    return min(host_overhead_blocks_us(fn, calls, blocks))
-
-
 def host_overhead_blocks_us(fn: Callable[[], object], calls: int = 1000, blocks: int = 8,
                             pause_s: float = 0.25) -> list[float]:
     """The median host time per call of ``fn`` (us) in each of ``blocks`` blocks of ``calls``,
-    ``pause_s`` apart. No sync inside a timed span; a sync every 100 calls, outside it, keeps the
+    ``pause_s`` apart: the time the calling thread spends inside ``fn``, the GPU's own time
+    excluded. No sync inside a timed span; a sync every 100 calls, outside it, keeps the
     launch queue from filling (a full queue makes a call wait for the GPU); 50 untimed calls
     before each block."""
     import statistics

@@ -545,6 +545,12 @@ def _fwd_args(logits, ids, out):
     return args, {"BLOCK_V": block, "SCALE": False, "PARTIAL": False, "STATS": False, "num_warps": warps}
 
 
+def _require_fast_path():
+    if not triton.__version__.startswith(launch.VERIFIED_TRITON):
+        pytest.skip(f"triton {triton.__version__}: the fast path is off for unverified versions")
+    assert launch._resolve_runtime() is not None, launch.disabled_reason()
+
+
 class _CountingKernel:
     """Delegates to the real kernel and counts normal launches."""
 
@@ -558,9 +564,7 @@ class _CountingKernel:
 
 @pytest.mark.gpu
 def test_fast_launch_is_bitwise_the_normal_launch_across_dtype_and_alignment():
-    if not triton.__version__.startswith(launch.VERIFIED_TRITON):
-        pytest.skip(f"triton {triton.__version__}: the fast path is off for unverified versions")
-    assert launch._resolve_runtime() is not None, launch.disabled_reason()
+    _require_fast_path()
     fast = CachedLaunch(logp_op._logp_fwd_kernel)
     counting = _CountingKernel(logp_op._logp_fwd_kernel)
     fast.kernel = counting
@@ -607,12 +611,6 @@ def _op_calls(logits, ids, ratio_inputs):
                    [x[:1] for x in ratio_inputs], [x[:32] for x in ratio_inputs]):
         out += [*ratio_kl_op.ratio_kl(*inputs), *ratio_kl_op.ratio_kl(*inputs, kl_type="k1", use_unbiased_kl=True)]
     return out
-
-
-def _require_fast_path():
-    if not triton.__version__.startswith(launch.VERIFIED_TRITON):
-        pytest.skip(f"triton {triton.__version__}: the fast path is off for unverified versions")
-    assert launch._resolve_runtime() is not None, launch.disabled_reason()
 
 
 @pytest.mark.gpu
