@@ -127,6 +127,16 @@ class _Runtime:
         )
 
 
+def fast_path_now() -> _Runtime | None:
+    """Triton's entry points if a launch that bypasses Triton's launcher (a direct launch, an op's
+    host path) may run now; None when the fast path is off or undecided, keys are being verified,
+    torch.compile is tracing, or a launch hook or debug mode is on (Triton's launch must run)."""
+    runtime = _runtime
+    if runtime is None or verify_keys or _is_compiling() or not runtime.plain():
+        return None
+    return runtime
+
+
 def _resolve_runtime() -> _Runtime | None:
     global _runtime
     if _runtime is None and _disabled is None:
@@ -204,6 +214,7 @@ class CachedLaunch:
         # keyed launches: (device, op key) -> direct launch, and -> the cache key it was stored for
         self._direct: dict[tuple, Callable[..., None]] = {}
         self._direct_keys: dict[tuple, tuple] = {}
+        self._native: dict[tuple, tuple[int, int, int, str] | None] = {}  # cache key -> native_launch
         self._constexpr_tail: int | None = None  # number of runtime parameters, if all constexprs trail
         from triton.runtime.jit import JITFunction
 
@@ -300,18 +311,17 @@ class CachedLaunch:
         ``direct(grid_x, *runtime arguments)``: a 1-D grid, the kernel's non-constexpr arguments
         in signature order with tensors as ``data_ptr()`` ints; the constexprs and options are the
         stored call's."""
-        runtime = _runtime
-        if runtime is None or verify_keys or _is_compiling() or not runtime.plain():
-            return None
-        return self._direct.get((runtime.get_device(), key))
+        runtime = fast_path_now()
+        return None if runtime is None else self._direct.get((runtime.get_device(), key))
 
-    def launch_keyed(self, key: Hashable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    def launch_keyed(self, key: Hashable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> tuple | None:
         """``launch(grid, *args, **kwargs)``, and keep a direct launch of the kernel it ran under
         ``key`` (the op's promise: every call under ``key`` binds to this specialization; checked
-        here, :class:`LaunchKeyError` if a call under ``key`` bound to another one)."""
+        here, :class:`LaunchKeyError` if a call under ``key`` bound to another one). Returns the
+        cache key of the kernel it ran (for :meth:`native_launch`), or None if it kept nothing."""
         ran = self._launch(grid, args, kwargs)
         if ran is None:  # a normal launch that keeps nothing (hooks, tracing, unmodelled types, ...)
-            return
+            return None
         cache_key, launch_args = ran
         direct_key = (cache_key[0], key)
         known = self._direct_keys.get(direct_key)
@@ -321,9 +331,9 @@ class CachedLaunch:
                     f"{self.kernel}: the op's launch key {key!r} was stored for Triton's specialization "
                     f"{known[1]!r}, and this call binds to {cache_key[1]!r}; the op's key must tell them apart"
                 )
-            return
+            return cache_key
         if self._constexpr_tail is None or len(grid) != 1:
-            return  # direct launches need trailing constexprs and a 1-D grid: keyed calls stay generic
+            return cache_key  # direct launches need trailing constexprs and a 1-D grid: keyed calls stay generic
         tail = launch_args[self._constexpr_tail:]  # the constexprs' values, appended to every direct call
         launch, function, cooperative, pdl, packed_metadata = self._cache[cache_key]
         get_stream, device = _runtime.get_stream, cache_key[0]
@@ -334,6 +344,17 @@ class CachedLaunch:
 
         self._direct_keys[direct_key] = cache_key
         self._direct[direct_key] = direct
+        return cache_key
+
+    def native_launch(self, cache_key: tuple) -> tuple[int, int, int, str] | None:
+        """How to launch the kernel stored under ``cache_key`` with ``cuLaunchKernel`` (a host
+        path in C++, kernels/ops/host/): ``(CUfunction handle, threads per block, dynamic shared
+        memory bytes, its runtime parameters)``, one letter per parameter Triton's launcher passes
+        before the two scratch pointers (``P`` pointer, ``i`` int32, ``l`` int64, ``f`` fp32;
+        constexprs, ints specialized to 1 included, are not passed). None if a plain launch does
+        not reproduce Triton's (a cooperative grid, PDL, a cluster of CTAs) or a parameter has
+        another type."""
+        return self._native.get(cache_key)
 
     def _launch_normally(self, grid: Any, args: tuple, kwargs: dict[str, Any], runtime: _Runtime | None) -> None:
         self.kernel[grid](*args, **kwargs)
@@ -358,4 +379,31 @@ class CachedLaunch:
         if any(scratch):  # the launcher allocates scratch per call: keep Triton's launcher
             return False
         self._cache[key] = (launch, function, cooperative, pdl, packed_metadata)
+        self._native[key] = _native_launch(compiled, function, cooperative, pdl, packed_metadata)
         return True
+
+
+# a runtime parameter's type in Triton's signature -> its letter in native_launch's parameters
+_NATIVE_PARAMS = {"i32": "i", "i64": "l", "fp32": "f"}
+
+
+def _native_launch(compiled: Any, function: int, cooperative: Any, pdl: Any,
+                   packed_metadata: Any) -> tuple[int, int, int, str] | None:
+    """``native_launch``'s tuple for a compiled kernel (packed metadata, Triton 3.6: num_warps,
+    num_ctas, shared memory bytes), or None."""
+    try:
+        signature = dict(compiled.src.signature)
+        num_warps, num_ctas, shared = packed_metadata
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if cooperative or pdl or num_ctas != 1:
+        return None
+    params = []
+    for kind in signature.values():
+        if kind == "constexpr":
+            continue
+        letter = "P" if isinstance(kind, str) and kind.startswith("*") else _NATIVE_PARAMS.get(kind)
+        if letter is None:
+            return None
+        params.append(letter)
+    return int(function), 32 * int(num_warps), int(shared), "".join(params)

@@ -8,7 +8,11 @@ inputs (nothing [T]-sized is saved beyond the inputs). ``kl_value_and_grad`` is 
 with the fused GRPO loss kernel. The kernels read the mask in its own dtype (no converted copy).
 
 Host time: small calls are launch-bound, so the kernels launch through ``kernels.launch`` and a
-call with nothing to differentiate skips ``autograd.Function``.
+call with nothing to differentiate skips ``autograd.Function``. Such a call, in the common case
+(plain contiguous CUDA tensors on the current device, the usual dtypes), takes the host path
+``kernels/ops/host/ratio_kl_forward.cpp``: one C++ call that checks, allocates and launches the
+forward kernel this module compiled and registered for the same key. Anything else, or a call
+whose kernel is not registered yet, runs the Python path below (checks with their messages).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import I32_MAX, CachedLaunch
+from kernels import launch
+from kernels.launch import I32_MAX, CachedLaunch, LaunchKeyError
+from kernels.ops.host import HostModule
 from kernels.reference.kl import KL_TYPES, check_kl_type
 from kernels.reference.ratio_kl import check_ratio_kl_inputs
 
@@ -99,6 +105,8 @@ def _grid(n: int) -> tuple[int]:
 
 _FWD = CachedLaunch(_ratio_kl_fwd_kernel)
 _BWD = CachedLaunch(_ratio_kl_bwd_kernel)
+_HOST = HostModule("ratio_kl_forward")
+_host_forward = None  # the host path's forward, once it holds a kernel (see _register_host)
 
 
 def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
@@ -118,11 +126,36 @@ def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
     if direct is not None:
         direct(grid[0], *pointers, ratio.data_ptr(), kl.data_ptr(), n)
         return ratio, kl
-    _FWD.launch_keyed(
+    cache_key = _FWD.launch_keyed(
         key, grid, logp, old_logp, ref_logp, mask, ratio, kl, n,
         BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased,
     )
+    if cache_key is not None:
+        _register_host(cache_key, logp, old_logp, ref_logp, mask, kl_code, unbiased)
     return ratio, kl
+
+
+def _register_host(cache_key: tuple, logp, old_logp, ref_logp, mask, kl_code, unbiased) -> None:
+    """Give the host path the kernel these inputs just launched (kept under the host path's own
+    key, which must tell apart what Triton specializes: LaunchKeyError if it maps two kernels
+    onto one key; every keyed call checks that under RLK_VERIFY_LAUNCH_KEYS=1)."""
+    global _host_forward
+    native = _FWD.native_launch(cache_key)
+    if native is None or not logp.is_cuda:
+        return
+    module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
+    if module is None:
+        return
+    function, threads, shared, params = native
+    stored = module.register(logp, old_logp, ref_logp, mask, kl_code, unbiased, cache_key[0], function,
+                             ELEMENTWISE_BLOCK, threads, shared, params)
+    if stored is False:
+        raise LaunchKeyError(
+            f"ratio_kl host path: its key for this call (T={logp.shape[0]}, dtypes {old_logp.dtype}/"
+            f"{ref_logp.dtype}/{mask.dtype}) holds another compiled kernel than {cache_key[1]!r}"
+        )
+    if stored:
+        _host_forward = module.forward
 
 
 class RatioKLFunction(torch.autograd.Function):
@@ -158,6 +191,15 @@ def ratio_kl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logp, old_logp, ref_logp: [T] fp32 contiguous; mask [T] bool|float -> (ratio, kl) fp32 [T]."""
     code = kl_type_code(kl_type)
+    host_forward = _host_forward
+    if host_forward is not None:
+        runtime = launch.fast_path_now()
+        if runtime is not None:
+            device = runtime.get_device()
+            out = host_forward(logp, old_logp, ref_logp, mask, code, bool(use_unbiased_kl), device,
+                               runtime.get_stream(device))
+            if out is not None:
+                return out
     check_ratio_kl_inputs(logp, old_logp, ref_logp, mask)
     inputs = (logp.contiguous(), old_logp.contiguous(), ref_logp.contiguous(), mask.contiguous(), code,
               bool(use_unbiased_kl))

@@ -414,6 +414,51 @@ def test_verify_mode_sends_every_keyed_call_through_the_check(stand_ins, monkeyp
         _keyed(fast, "k", x[1:])
 
 
+class _CompiledWithSource(_Compiled):
+    """A compiled stand-in with Triton's signature of the call (``src.signature``)."""
+
+    signature = {"x_ptr": "*fp32", "y_ptr": "*bf16", "n": "i32", "scale": "fp32", "flag": "constexpr",
+                 "BLOCK": "constexpr", "MODE": "constexpr"}
+
+    def __init__(self):
+        super().__init__()
+        self.src = type("Source", (), {"signature": dict(self.signature)})()
+
+
+def test_native_launch_describes_the_stored_kernel_for_cuLaunchKernel(stand_ins):
+    fast, normal, _ = stand_ins
+    normal.compiled_type = _CompiledWithSource
+    x = torch.empty(8)
+    cache_key = fast.launch_keyed("k", (2,), x, x, 8, 0.5, True, BLOCK=128, MODE=2)
+    # function, 32 threads per warp x 4 warps, shared bytes, pointers / int32 / fp32 (constexprs dropped)
+    assert fast.native_launch(cache_key) == (0xF00, 128, 0, "PPif")
+    assert fast.launch_keyed("k", (2,), x, x, 8, 0.5, True, BLOCK=128, MODE=2) == cache_key  # a hit: same key
+
+
+@pytest.mark.parametrize("change", ["cooperative", "pdl", "cluster", "u1 parameter", "no source"])
+def test_native_launch_is_withheld_when_a_plain_launch_is_not_tritons(stand_ins, change):
+    fast, normal, _ = stand_ins
+
+    class Changed(_CompiledWithSource):
+        def __init__(self):
+            super().__init__()
+            if change == "cooperative":
+                self.run.launch_cooperative_grid = True
+            elif change == "pdl":
+                self.run.launch_pdl = True
+            elif change == "cluster":
+                self.packed_metadata = (4, 2, 0)
+            elif change == "u1 parameter":
+                self.src.signature["flag"] = "u1"
+            else:
+                del self.src
+
+    normal.compiled_type = Changed
+    cache_key = fast.launch_keyed("k", (2,), torch.empty(8), torch.empty(8), 8, 0.5, True, BLOCK=128, MODE=2)
+    assert cache_key is not None
+    assert fast.native_launch(cache_key) is None
+
+
 @pytest.mark.parametrize("state", ["hooked", "compiling", "other device", "disabled"])
 def test_direct_launch_is_withheld_when_the_fast_path_may_not_run(stand_ins, monkeypatch, state):
     fast, normal, runtime = stand_ins
@@ -638,6 +683,7 @@ def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
         assert launch.disabled_reason() is None
         for op in ops:
             monkeypatch.setattr(op, "_compiled", False)  # Triton's own launch from here on
+        monkeypatch.setattr(ratio_kl_op, "_host_forward", None)  # and no host path (test_host_path.py)
         normal = _op_calls(logits, ids, inputs)
     for i, (a, b) in enumerate(zip(fast, normal)):
         assert torch.equal(a, b), f"output {i} differs"

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,13 +70,24 @@ def compile_fatbin(source: Path, defines: tuple[str, ...] = ()) -> Path:
     nvcc = find_nvcc()
     if nvcc is None:
         raise CudaBuildError("nvcc not found (set RLK_NVCC, put nvcc on PATH or set CUDA_HOME)")
+    return build_cached(
+        out, lambda partial: [nvcc, "-fatbin", *NVCC_FLAGS, *(f"-D{d}" for d in defines), "-o", str(partial),
+                              str(source)]
+    )
+
+
+def build_cached(out: Path, command: Callable[[Path], list[str]], error: type[Exception] = CudaBuildError) -> Path:
+    """``out``, built now if absent by running ``command(partial)`` (a compiler writing ``partial``),
+    then renamed into place; ``error`` (with the command and the compiler's output) if it fails."""
+    if out.is_file():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [nvcc, "-fatbin", *NVCC_FLAGS, *(f"-D{d}" for d in defines), "-o", str(partial), str(source)]
+    cmd = command(partial)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise CudaBuildError(f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        raise error(f"{Path(cmd[0]).name} failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
     partial.replace(out)  # atomic: a concurrent process sees the whole file or none
     return out
 

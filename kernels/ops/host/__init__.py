@@ -1,0 +1,53 @@
+"""Host-side C++ fast paths of the launch-bound ops: Python extension modules built on first use.
+
+A call of a few tokens is all host time; what is left of it in Python after ``kernels.launch``'s
+direct launches is reading tensor attributes to check and key the inputs. A module here takes
+the common case of one op's call in one C++ call (checks, outputs, ``cuLaunchKernel`` of the Triton
+kernel the op's Python path compiled and registered) and returns None for anything else, so the
+Python path, with its checks and error messages, stays the only one that decides and explains.
+
+Each module is ``<op>_<what>.cpp``; :class:`HostModule` builds it with ``build.py`` (g++ against
+the installed torch's headers, cached) the first time the op has a kernel to register, and says
+so. If it cannot (no compiler, no headers, ``VIME_RL_KERNEL_FAST_LAUNCH=0``), it logs the reason
+once and the op keeps its Python path: the same results, more host time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from kernels.ops.host import build
+
+logger = logging.getLogger("kernels")
+
+
+class HostModule:
+    """One ``<name>.cpp`` of this folder, built and imported on the first :meth:`load`."""
+
+    def __init__(self, name: str) -> None:
+        self.source = Path(__file__).with_name(f"{name}.cpp")
+        self._module: ModuleType | None = None
+        self._disabled: str | None = None
+        self._lock = threading.Lock()
+
+    def disabled_reason(self) -> str | None:
+        """Why this module is not in use (None: loaded, or not tried yet)."""
+        return self._disabled
+
+    def load(self) -> ModuleType | None:
+        """The module, built now if needed (seconds, once per torch version and source; logged),
+        or None if it cannot be (the reason logged once, kept in :meth:`disabled_reason`)."""
+        if self._module is not None or self._disabled is not None:
+            return self._module
+        with self._lock:
+            if self._module is None and self._disabled is None:
+                try:
+                    self._module = build.load_extension(self.source)
+                except Exception as exc:  # a compiler error, missing headers, an import failure
+                    self._disabled = f"{type(exc).__name__}: {exc}"
+                    logger.warning("kernels: %s host path off, the op keeps its Python path: %s",
+                                   self.source.stem, self._disabled)
+        return self._module

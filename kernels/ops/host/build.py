@@ -1,0 +1,95 @@
+"""Build a C++ Python extension against the installed torch with one g++ command (cached).
+
+Why not ``torch.utils.cpp_extension.load``: it compiles ``torch/extension.h`` (pybind11 and all of
+ATen's operators, a minute or more) and needs ninja. These modules include the few headers they
+use (``ATen/ops/empty_like.h``, ``torch/csrc/autograd/python_variable.h``) and define their
+functions with the CPython API, so one compiler run takes seconds. The result is cached by the hash
+of the source, the flags, the torch version and install path and the Python ABI.
+
+Compiler: ``$RLK_CXX``, else ``$CXX``, else ``g++`` or ``c++`` on ``PATH``.
+Cache: ``$RLK_CUDA_CACHE`` (default ``~/.cache/pytest-rlk/cuda``), shared with the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.ops.cuda.build import build_cached, cache_dir
+
+logger = logging.getLogger("kernels")
+
+CXX_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
+
+
+class HostBuildError(RuntimeError):
+    """No C++ compiler, or the build failed; the message carries its command and output."""
+
+
+def find_cxx() -> str | None:
+    for variable in ("RLK_CXX", "CXX"):
+        explicit = os.environ.get(variable, "").strip()
+        if explicit:
+            return shutil.which(explicit) or (explicit if Path(explicit).is_file() else None)
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _torch_paths() -> tuple[Path, Path]:
+    """(include directory, library directory) of the installed torch."""
+    root = Path(torch.__file__).parent
+    return root / "include", root / "lib"
+
+
+def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compile flags, link flags): the libraries go after the source, or a linker that drops
+    unneeded libraries (``--as-needed``) drops them before it sees the symbols they provide."""
+    include, lib = _torch_paths()
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    compile_flags = (
+        *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
+    )
+    link_flags = (f"-L{lib}", "-ltorch_python", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+    return compile_flags, link_flags
+
+
+def extension_path(source: Path) -> Path:
+    """Where the module built from ``source`` for this torch and Python is cached."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    compile_flags, link_flags = _flags()
+    stamp = " ".join((*compile_flags, *link_flags, torch.__version__, sys.version)).encode()
+    digest = hashlib.sha256(source.read_bytes() + stamp).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{digest}{suffix}"
+
+
+def load_extension(source: Path) -> ModuleType:
+    """Import the module ``source`` defines (``PyInit_<stem>``), built now if not cached."""
+    out = extension_path(source)
+    if not out.is_file():
+        cxx = find_cxx()
+        if cxx is None:
+            raise HostBuildError("no C++ compiler found (set RLK_CXX or CXX, or put g++ on PATH)")
+        include, _ = _torch_paths()
+        if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
+            raise HostBuildError(f"torch's C++ headers are not installed under {include}")
+        logger.warning("kernels: building %s's host path with %s (once per torch version; cached in %s)",
+                       source.stem, cxx, out.parent)
+        compile_flags, link_flags = _flags()
+        build_cached(out, lambda partial: [cxx, *compile_flags, str(source), *link_flags, "-o", str(partial)],
+                     HostBuildError)
+    spec = importlib.util.spec_from_file_location(source.stem, out)
+    if spec is None or spec.loader is None:
+        raise HostBuildError(f"cannot import {out}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
