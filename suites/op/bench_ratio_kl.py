@@ -10,6 +10,7 @@ import pytest
 import torch
 from rlk_bench import OURS, measure, record_host_overhead, record_limit
 
+from kernels.ops import ratio_kl as ratio_kl_op
 from kernels.ops.ratio_kl import ratio_kl
 from kernels.reference import ratio_kl as reference_ratio_kl
 
@@ -60,4 +61,7 @@ def test_bench_ratio_kl_small_launch_bound(rlk_metrics, num_tokens):
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: ratio_kl(logp, old, ref, mask), 6 * 4 * num_tokens, tags, memory=False,
                 graph=True)
-        record_host_overhead(rlk_metrics, lambda: ratio_kl(logp, old, ref, mask), tags)
+        # which path the host time is of: the C++ host path, or why not (kernels/ops/host/)
+        host_path = "c++" if ratio_kl_op._host_forward is not None else (
+            f"python ({ratio_kl_op._HOST.disabled_reason() or 'no kernel registered'})")
+        record_host_overhead(rlk_metrics, lambda: ratio_kl(logp, old, ref, mask), {**tags, "host_path": host_path})

@@ -65,7 +65,8 @@ def synthetic_run(tag: str = "h100", run_id: str = "20261122T000000Z-perf") -> R
     tags = {"op": "logp", "pass": "fwd", "dtype": "bf16", "shape": "1x151936", "size": "small"}
     _bench(small, "rlk", 0.012, 0.0001, tags, None)
     small.record("rlk_host_overhead_us", 14.5, unit="us", direction="lower_is_better", space="time",
-                 tags={**tags, "ids_check": "0", "block_medians_us": "15.0 14.5 21.25"}, gate=False)
+                 tags={**tags, "ids_check": "0", "block_medians_us": "15.0 14.5 21.25", "host_path": "c++"},
+                 gate=False)
 
     platform = PlatformInfo(tag=tag, detected_tag=tag, device_name=GPU, device_count=1, memory_bytes=80 * 10**9,
                             capability="9.0", driver="580.1", cuda="13.0",
@@ -83,6 +84,7 @@ def test_collect_and_rows_follow_the_bench_convention():
         ("logp", "fwd", False), ("grpo_loss", "fwd+bwd", False), ("logp", "fwd", True)]
     assert cases[0].limit_ms == 0.82 and cases[0].hbm_gbps == "3030"
     assert cases[2].host_overhead_us == 14.5 and cases[2].host_overhead_slowest_us == 21.25
+    assert cases[2].host_path == "c++" and cases[2].variant == ""  # a measurement tag, not a variant
     headers, rows = roofline_rows(cases)
     assert headers[-4:] == ["liger ms", "vs liger", "torch_compile ms", "vs torch_compile"]
     by_impl = {(r[0], r[5]): dict(zip(headers, r)) for r in rows}
@@ -122,7 +124,7 @@ def test_report_has_the_table_and_a_bar_chart(tmp_path):
     report = (run_dir / "report" / "report.md").read_text()
     assert "## Performance (roofline)" in report
     assert "| logp | fwd | 8192x151936 | bf16 | - | rlk | 0.85 | 0.82 | 96.5% | - | - | 1.02 kB | 0.86 | 1.01x | 1.73 | 2.04x |" in report
-    assert "| logp | fwd | 1x151936 | bf16 | rlk | 0.012 | 14.5 | 21.2 |" in report
+    assert "| logp | fwd | 1x151936 | bf16 | rlk | 0.012 | 14.5 | 21.2 | c++ |" in report
     png = run_dir / "report" / "performance_ms.png"
     assert "performance_ms.png" in report and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib.image import imread

@@ -8,8 +8,9 @@ Python path, with its checks and error messages, stays the only one that decides
 
 Each module is ``<op>_<what>.cpp``; :class:`HostModule` builds it with ``build.py`` (g++ against
 the installed torch's headers, cached) the first time the op has a kernel to register, and says
-so. If it cannot (no compiler, no headers, ``VIME_RL_KERNEL_FAST_LAUNCH=0``), it logs the reason
-once and the op keeps its Python path: the same results, more host time.
+so. If it cannot (no compiler, no headers), it logs the reason once and the op keeps its Python
+path: the same results, more host time. With ``VIME_RL_KERNEL_FAST_LAUNCH=0`` (or on CPU, under
+the Triton interpreter) nothing is registered, so nothing is built.
 """
 
 from __future__ import annotations
