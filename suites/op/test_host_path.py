@@ -60,9 +60,19 @@ def test_a_host_path_that_cannot_be_built_is_off_loudly_once(monkeypatch, tmp_pa
     with caplog.at_level(logging.WARNING, logger="kernels"):
         assert host.load() is None
         assert host.load() is None
-    assert "no C++ compiler found" in host.disabled_reason()
+    assert host.disabled_reason() == (f"HostBuildError: the C++ compiler RLK_CXX='{tmp_path / 'no-such-compiler'}' "
+                                      "names is not there")
     assert [r.getMessage() for r in caplog.records].count(
         f"kernels: ratio_kl_forward host path off, the op keeps its Python path: {host.disabled_reason()}") == 1
+
+
+def test_no_compiler_at_all_says_how_to_name_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLK_CUDA_CACHE", str(tmp_path))
+    monkeypatch.delenv("RLK_CXX", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ on it
+    with pytest.raises(build.HostBuildError, match=r"no C\+\+ compiler found \(set RLK_CXX or CXX"):
+        build.load_extension(HostModule("ratio_kl_forward").source)
 
 
 def test_a_failed_build_names_the_command_and_the_compiler_output(monkeypatch, tmp_path):

@@ -36,11 +36,22 @@ class HostBuildError(RuntimeError):
     """No C++ compiler, or the build failed; the message carries its command and output."""
 
 
-def find_cxx() -> str | None:
+def _named_cxx() -> tuple[str, str] | None:
+    """(variable, value) of the compiler the environment names, if it names one."""
     for variable in ("RLK_CXX", "CXX"):
         explicit = os.environ.get(variable, "").strip()
         if explicit:
-            return shutil.which(explicit) or (explicit if Path(explicit).is_file() else None)
+            return variable, explicit
+    return None
+
+
+def find_cxx() -> str | None:
+    """The C++ compiler: the one ``$RLK_CXX`` or ``$CXX`` names (None if it is not there), else
+    ``g++`` or ``c++`` on ``PATH``."""
+    named = _named_cxx()
+    if named is not None:
+        explicit = named[1]
+        return shutil.which(explicit) or (explicit if Path(explicit).is_file() else None)
     return shutil.which("g++") or shutil.which("c++")
 
 
@@ -78,7 +89,11 @@ def load_extension(source: Path) -> ModuleType:
     if not out.is_file():
         cxx = find_cxx()
         if cxx is None:
-            raise HostBuildError("no C++ compiler found (set RLK_CXX or CXX, or put g++ on PATH)")
+            named = _named_cxx()
+            raise HostBuildError(
+                f"the C++ compiler {named[0]}={named[1]!r} names is not there" if named is not None
+                else "no C++ compiler found (set RLK_CXX or CXX, or put g++ on PATH)"
+            )
         include, _ = _torch_paths()
         if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
             raise HostBuildError(f"torch's C++ headers are not installed under {include}")
