@@ -140,8 +140,8 @@ def _register_host(cache_key: tuple, logp, old_logp, ref_logp, mask, kl_code, un
     key, which must tell apart what Triton specializes: LaunchKeyError if it maps two kernels
     onto one key; every keyed call checks that under RLK_VERIFY_LAUNCH_KEYS=1)."""
     global _host_forward
-    native = _FWD.native_launch(cache_key)
-    if native is None or not logp.is_cuda:
+    native = _FWD.native_launch(cache_key)  # a compiled (so CUDA) kernel, or None
+    if native is None:
         return
     module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
     if module is None:
@@ -156,6 +156,14 @@ def _register_host(cache_key: tuple, logp, old_logp, ref_logp, mask, kl_code, un
         )
     if stored:
         _host_forward = module.forward
+
+
+def host_path() -> str:
+    """Which path no-grad calls take now: ``c++`` (the host path holds a kernel), or ``python``
+    and why not (for benchmark tags)."""
+    if _host_forward is not None:
+        return "c++"
+    return f"python ({_HOST.disabled_reason() or 'no kernel registered'})"
 
 
 class RatioKLFunction(torch.autograd.Function):

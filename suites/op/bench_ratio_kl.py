@@ -62,6 +62,5 @@ def test_bench_ratio_kl_small_launch_bound(rlk_metrics, num_tokens):
         measure(rlk_metrics, OURS, lambda: ratio_kl(logp, old, ref, mask), 6 * 4 * num_tokens, tags, memory=False,
                 graph=True)
         # which path the host time is of: the C++ host path, or why not (kernels/ops/host/)
-        host_path = "c++" if ratio_kl_op._host_forward is not None else (
-            f"python ({ratio_kl_op._HOST.disabled_reason() or 'no kernel registered'})")
-        record_host_overhead(rlk_metrics, lambda: ratio_kl(logp, old, ref, mask), {**tags, "host_path": host_path})
+        record_host_overhead(rlk_metrics, lambda: ratio_kl(logp, old, ref, mask),
+                             {**tags, "host_path": ratio_kl_op.host_path()})

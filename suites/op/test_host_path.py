@@ -24,9 +24,8 @@ from kernels.ops.host import HostModule, build
 def _host_module_or_skip():
     if build.find_cxx() is None:
         pytest.skip("no C++ compiler here (g++, $CXX or $RLK_CXX): the host path cannot be built")
-    include, _ = build._torch_paths()
-    if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
-        pytest.skip(f"torch's C++ headers are not installed under {include}")
+    if not build.torch_headers_present():
+        pytest.skip(f"torch's C++ headers are not installed under {build._torch_paths()[0]}")
     module = ratio_kl_op._HOST.load()
     assert module is not None, ratio_kl_op._HOST.disabled_reason()
     return module

@@ -77,10 +77,9 @@ def compile_fatbin(source: Path, defines: tuple[str, ...] = ()) -> Path:
 
 
 def build_cached(out: Path, command: Callable[[Path], list[str]], error: type[Exception] = CudaBuildError) -> Path:
-    """``out``, built now if absent by running ``command(partial)`` (a compiler writing ``partial``),
-    then renamed into place; ``error`` (with the command and the compiler's output) if it fails."""
-    if out.is_file():
-        return out
+    """Build ``out`` (callers look in the cache first) by running ``command(partial)``, a compiler
+    writing ``partial``, then renaming it into place; ``error`` (with the command and the
+    compiler's output) if it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(f".{os.getpid()}.tmp")
     cmd = command(partial)

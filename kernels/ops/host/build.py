@@ -74,10 +74,17 @@ def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return compile_flags, link_flags
 
 
-def extension_path(source: Path) -> Path:
-    """Where the module built from ``source`` for this torch and Python is cached."""
+def torch_headers_present() -> bool:
+    """Whether the installed torch ships the C++ headers the host modules include."""
+    include, _ = _torch_paths()
+    return (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file()
+
+
+def extension_path(source: Path, flags: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> Path:
+    """Where the module built from ``source`` (with ``flags``, default :func:`_flags`) for this
+    torch and Python is cached."""
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    compile_flags, link_flags = _flags()
+    compile_flags, link_flags = _flags() if flags is None else flags
     stamp = " ".join((*compile_flags, *link_flags, torch.__version__, sys.version)).encode()
     digest = hashlib.sha256(source.read_bytes() + stamp).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{digest}{suffix}"
@@ -85,7 +92,8 @@ def extension_path(source: Path) -> Path:
 
 def load_extension(source: Path) -> ModuleType:
     """Import the module ``source`` defines (``PyInit_<stem>``), built now if not cached."""
-    out = extension_path(source)
+    compile_flags, link_flags = flags = _flags()
+    out = extension_path(source, flags)
     if not out.is_file():
         cxx = find_cxx()
         if cxx is None:
@@ -94,12 +102,10 @@ def load_extension(source: Path) -> ModuleType:
                 f"the C++ compiler {named[0]}={named[1]!r} names is not there" if named is not None
                 else "no C++ compiler found (set RLK_CXX or CXX, or put g++ on PATH)"
             )
-        include, _ = _torch_paths()
-        if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
-            raise HostBuildError(f"torch's C++ headers are not installed under {include}")
+        if not torch_headers_present():
+            raise HostBuildError(f"torch's C++ headers are not installed under {_torch_paths()[0]}")
         logger.warning("kernels: building %s's host path with %s (once per torch version; cached in %s)",
                        source.stem, cxx, out.parent)
-        compile_flags, link_flags = _flags()
         build_cached(out, lambda partial: [cxx, *compile_flags, str(source), *link_flags, "-o", str(partial)],
                      HostBuildError)
     spec = importlib.util.spec_from_file_location(source.stem, out)

@@ -56,7 +56,7 @@ LaunchKernelFn cu_launch_kernel = nullptr;
 CtxGetCurrentFn cu_ctx_get_current = nullptr;
 
 constexpr int64_t kInt32Max = 2147483647;
-constexpr int kMaxParams = 8;
+constexpr int kMaxParams = 7;  // the kernel's runtime parameters: 6 pointers and n
 
 struct Kernel {
   uint64_t function;
@@ -224,7 +224,7 @@ PyObject* register_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return nullptr;
     }
   }
-  if (pointer_params != 6 || kernel.params.size() > kMaxParams || kernel.params.size() != (call.n == 1 ? 6u : 7u)) {
+  if (pointer_params != 6 || kernel.params.size() != (call.n == 1 ? 6u : 7u)) {
     PyErr_Format(PyExc_ValueError, "ratio_kl host path: kernel parameters %s do not fit T = %lld", params,
                  static_cast<long long>(call.n));
     return nullptr;
