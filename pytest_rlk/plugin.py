@@ -7,13 +7,16 @@ in a CI command line.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import shlex
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from pytest_rlk import hookspec, markers, options, storage
+from pytest_rlk import hookspec, markers, options, sharding, storage
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
@@ -38,6 +41,7 @@ class RlkState:
     deselected: dict[str, int] = field(default_factory=dict)
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
+    gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
 
 
 STATE = pytest.StashKey[RlkState]()
@@ -47,6 +51,7 @@ PHASES = pytest.StashKey[dict]()
 GATE = pytest.StashKey[object]()
 UNSERVED = pytest.StashKey[str]()
 MARKER_ERROR = pytest.StashKey[str]()
+NODE_PLATFORM = pytest.StashKey[PlatformInfo]()
 
 
 def pytest_addhooks(pluginmanager):
@@ -66,6 +71,28 @@ def pytest_addoption(parser):
     group.addoption("--rlk-refresh-rel", metavar="X", default=None, help="flag a value better than its baseline by more than max(X*|ref|, abs_floor) as 'refresh the baseline' (default: the metric's band)")
     group.addoption("--rlk-fail-on-improvement", action="store_true", default=False, help="fail tests whose metrics improved beyond the refresh band")
     group.addoption("--rlk-backend", metavar="ID", default=None, help="kernel backend id or 'pkg.module:factory' (exported as VIME_RL_KERNEL_BACKEND)")
+    group.addoption("--rlk-shard-gpus", action="store_true", default=False, help="with -n auto (or -n N): one xdist worker per GPU, each pinned to its GPU (CUDA_VISIBLE_DEVICES); tests marked gpus(n>1) run afterwards in an all-GPU phase, alone")
+    group.addoption("--rlk-all-gpu-phase", metavar="RUN_DIR", default=None, help=argparse.SUPPRESS)  # set by the controller of a --rlk-shard-gpus run
+
+
+def _node_platform(config, override: str | None) -> PlatformInfo:
+    """This machine's platform, detected once per process (the xdist worker count asks early)."""
+    if NODE_PLATFORM not in config.stash:
+        plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
+        config.stash[NODE_PLATFORM] = rlk_platform.with_override(plat, override)
+    return config.stash[NODE_PLATFORM]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto --rlk-shard-gpus``: one worker per GPU."""
+    if not config.getoption("rlk_shard_gpus", False) or config.getoption("rlk_all_gpu_phase", None):
+        return None
+    try:
+        platform = _node_platform(config, options.parse_platform(config.getoption("rlk_platform")))
+        return len(sharding.node_gpu_ids(platform, os.environ)) or None
+    except (options.OptionError, sharding.ShardError) as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_configure(config):
@@ -79,11 +106,11 @@ def pytest_configure(config):
     if workerinput and "rlk_platform" in workerinput:  # the controller detected it already
         plat = PlatformInfo.model_validate_json(workerinput["rlk_platform"])
     else:
-        plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
-        plat = rlk_platform.with_override(plat, opts.platform_override)
+        plat = _node_platform(config, opts.platform_override)
     state = RlkState(opts=opts, platform=plat, worker=workerinput["workerid"] if workerinput else None)
     if workerinput and workerinput.get("rlk_run_dir"):
         state.run_dir = Path(workerinput["rlk_run_dir"])
+    _configure_sharding(config, state, workerinput)
     if opts.backend is not None:
         state.saved_backend_env = (options.BACKEND_ENV in os.environ, os.environ.get(options.BACKEND_ENV))
         os.environ[options.BACKEND_ENV] = opts.backend
@@ -110,8 +137,110 @@ def _ensure_run(config) -> Path:
             run_id=new_run_id(), argv=list(config.invocation_params.args), tiers=state.opts.tiers,
             platform=state.platform, suite_root=Path(config.rootpath), vime_root=state.opts.vime_root,
             backend_option=state.opts.backend)
+        manifest.gpu_shards = dict(state.gpu_shards)
         state.run_dir = rlk_session.start_run(state.opts.artifacts, manifest)
     return state.run_dir
+
+
+def _configure_sharding(config, state: RlkState, workerinput: dict | None) -> None:
+    """``--rlk-shard-gpus`` (controller and workers) and the all-GPU phase it runs afterwards."""
+    opts = state.opts
+    try:
+        if opts.all_gpu_phase is not None:
+            state.worker, state.run_dir = sharding.ALL_GPU_WORKER, opts.all_gpu_phase
+            config.pluginmanager.register(_AllGpuPhaseHooks(sharding.read_nodeids(opts.all_gpu_phase)),
+                                          "rlk-all-gpu-phase")
+        elif not opts.shard_gpus:
+            return
+        elif not config.pluginmanager.hasplugin("xdist"):
+            raise sharding.ShardError("--rlk-shard-gpus needs pytest-xdist (one worker per GPU, -n auto)")
+        elif workerinput is not None:
+            sharding.check_worker_pinning(workerinput["rlk_gpu"], os.environ)
+            sharding.check_worker_config(workerinput["rlk_inipath"], config.inipath)
+            config.pluginmanager.register(_ShardWorkerHooks(), "rlk-shard-worker")
+        else:
+            sharding.check_path_options(config.invocation_params.args)
+            gpu_ids = sharding.node_gpu_ids(state.platform, os.environ)
+            config.option.tx = sharding.worker_tx_specs(config.option.tx, gpu_ids)
+            state.gpu_shards = sharding.shard_map(config.option.tx, gpu_ids)
+            config.pluginmanager.register(_ShardControllerHooks(state), "rlk-shard-controller")
+    except sharding.ShardError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def _hold_back(config, items: list) -> list:
+    """Remove the tests that need more than one GPU from ``items``; returns them."""
+    held = [item for item in items if sharding.runs_in_all_gpu_phase(
+        ((m.name, m.args) for m in item.iter_markers()), unserved=UNSERVED in item.stash)]
+    if held:
+        items[:] = [item for item in items if item not in held]
+    return held
+
+
+class _ShardWorkerHooks:
+    """An xdist worker pinned to one GPU: it leaves the multi-GPU tests to the all-GPU phase."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        held = _hold_back(config, items)
+        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in held]
+
+
+class _AllGpuPhaseHooks:
+    """The all-GPU phase: only the tests the workers left to it."""
+
+    def __init__(self, nodeids: list[str]) -> None:
+        self.nodeids = set(nodeids)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        drop = [item for item in items if item.nodeid not in self.nodeids]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for item in items if item.nodeid in self.nodeids]
+
+
+class _ShardControllerHooks:
+    """Pins each worker to its GPU, then runs the all-GPU phase once the workers are done."""
+
+    def __init__(self, state: RlkState) -> None:
+        self.state = state
+        self.held: dict[str, None] = {}  # nodeids, in collection order
+
+    def pytest_configure_node(self, node):
+        node.workerinput["rlk_gpu"] = sharding.spec_gpu(node.gateway.spec.env)
+        node.workerinput["rlk_inipath"] = str(node.config.inipath)
+
+    def pytest_testnodedown(self, node, error):
+        for nodeid in getattr(node, "workeroutput", {}).get(sharding.WORKEROUTPUT_KEY, ()):
+            self.held.setdefault(nodeid)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session):
+        result = yield  # the workers' phase; raises when it was stopped (-x, Ctrl-C)
+        if self.held and self.state.run_dir is not None and not session.shouldfail and not session.shouldstop:
+            session.testsfailed += self._run_all_gpu_phase(session.config)
+        return result
+
+    def _run_all_gpu_phase(self, config) -> int:
+        """The held-back tests in one serial pytest that sees every GPU; returns its failures."""
+        run_dir = self.state.run_dir
+        sharding.write_nodeids(run_dir, list(self.held))
+        argv = sharding.all_gpu_phase_argv(config.invocation_params.args, run_dir)
+        write = config.get_terminal_writer().line
+        count = "1 test that needs" if len(self.held) == 1 else f"{len(self.held)} tests that need"
+        write("")
+        write(f"rlk: all-GPU phase: {count} more than one GPU, alone on the node with GPUs "
+              f"{self.state.gpu_shards[sharding.ALL_GPU_WORKER]} visible")
+        status = subprocess.run(argv, cwd=config.invocation_params.dir, check=False,
+                                env=sharding.all_gpu_phase_env(os.environ)).returncode
+        outcomes = sharding.phase_outcomes(run_dir)
+        if outcomes is None or status not in (0, 1):
+            write(f"rlk: all-GPU phase: pytest exited with status {status}"
+                  + ("" if outcomes else " and recorded no test") + f": {shlex.join(argv)}", red=True)
+            return 1
+        write("rlk: all-GPU phase: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+        return outcomes["failed"] + outcomes["error"]
 
 
 class _XdistHooks:
