@@ -1,14 +1,15 @@
 """TRL lane: a real GRPOTrainer A/B (baseline vs our kernels in TRL's log-prob path).
 
 The CPU case trains a tiny random-init Qwen3 for 16 GRPO steps per arm, runs the two arms plus a
-test-only perturbed kernel arm of 5 steps concurrently (one thread each; 65-90 s on 2 cores), and
+test-only perturbed kernel arm of 5 steps concurrently (one thread each; 65-90 s on 2 cores; the
+perturbed arm selects the test backend suites/e2e/perturbed_logp_backend.py by its environment), and
 checks: the A/B gate passes, the perturbed arm fails it, the report has its plots and
 reproducibility notes, and the kernels really ran (patched calls > 0, strict mode, no fallback).
 The MoE case (55-70 s) runs through `rlk e2e run`, proving the CLI hands TRL specs to this engine;
 the GPU case (larger model, bf16) records the h100 baseline of the kernel arm's metrics.
 
 Fast checks of the integration itself (patch/unpatch, parity with TRL's own fused LM head, the
-perturbation guard) and of the engine's input validation run in-process.
+perturbed backend) and of the engine's input validation run in-process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
 pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
 
+import perturbed_logp_backend as perturbed  # noqa: E402
 import torch  # noqa: E402
 
 from pytest_rlk.e2e import metrics as m  # noqa: E402
@@ -32,7 +34,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DENSE_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-cpu.json"
 MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
 SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
-PERTURB_BIAS = 0.1  # log-prob units; the logprob-diff band is abs 0.02
+# the perturbed arm's environment: its kernel backend adds perturbed.LOGP_BIAS to every log-prob
+PERTURBED_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed.DOTTED_PATH}
 PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
 
 
@@ -79,7 +82,7 @@ def _assert_real_kernel_arm(run: trl_engine.TrlAbRun, key: str = "kernels") -> N
 def dense_cpu_ab(tmp_path_factory) -> trl_engine.TrlAbRun:
     out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
     return trl_engine.run_ab(
-        DENSE_CPU, out, repo_root=REPO_ROOT, perturb_bias=PERTURB_BIAS, perturb_rollouts=PERTURB_ROLLOUTS
+        DENSE_CPU, out, repo_root=REPO_ROOT, perturbed_env=PERTURBED_ENV, perturb_rollouts=PERTURB_ROLLOUTS
     )
 
 
@@ -106,8 +109,10 @@ def test_trl_cpu_ab_gate_passes(dense_cpu_ab, rlk_metrics):
 @pytest.mark.tiny
 def test_trl_cpu_ab_perturbed_kernel_arm_fails_gate(dense_cpu_ab):
     run = dense_cpu_ab
-    assert run.run_info[trl_engine.PERTURBED]["test_perturbation_logp"] == PERTURB_BIAS
-    assert run.run_info["kernels"]["test_perturbation_logp"] == 0.0
+    info = run.run_info[trl_engine.PERTURBED]
+    assert info["backend_id"].startswith(perturbed.BACKEND_ID + "/"), info["backend_id"]
+    assert info["env"]["VIME_RL_KERNEL_BACKEND"] == perturbed.DOTTED_PATH and info["fallback_counts"] == {}
+    assert "VIME_RL_KERNEL_BACKEND" not in run.run_info["kernels"]["env"]
     assert len(run.series[trl_engine.PERTURBED][m.RAW_REWARD]) == PERTURB_ROLLOUTS
     # Same seeds: until the bias matters, the perturbed arm trains exactly like the kernel arm.
     expected = run.series["kernels"][m.RAW_REWARD][:PERTURB_ROLLOUTS]
@@ -247,19 +252,28 @@ def test_patched_path_is_what_grpo_model_forward_uses(monkeypatch, tmp_path):
     torch.testing.assert_close(ours.entropy, native.entropy, atol=1e-5, rtol=1e-5)
 
 
-def test_perturbation_is_refused_without_the_allow_switch(monkeypatch):
-    from kernels.integrations import trl as integration
+def test_perturbed_backend_is_rlk_triton_plus_the_bias(monkeypatch):
+    """The backend the perturbed arm selects by dotted path: rlk-triton's log-probs + LOGP_BIAS,
+    dispatched like any backend (strict: no fallback), and nothing but logp."""
+    import kernels
+    from kernels.backends import get_backend
 
-    monkeypatch.setenv(integration.PERTURB_ENV, "0.1")
-    monkeypatch.delenv(integration.ALLOW_PERTURB_ENV, raising=False)
-    with pytest.raises(ValueError, match="RLK_ALLOW_TEST_PERTURBATION=1"):
-        integration.install()
-    assert not integration.is_installed()
-    monkeypatch.setenv(integration.ALLOW_PERTURB_ENV, "1")
-    assert integration.test_perturbation_bias() == 0.1
-    monkeypatch.setenv(integration.PERTURB_ENV, "lots")
-    with pytest.raises(ValueError, match="RLK_TEST_PERTURB_LOGP='lots' is not a number"):
-        integration.test_perturbation_bias()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when kernels.ops is first imported
+    hidden, weight, targets = _lm_head_case()
+    logits = torch.nn.functional.linear(hidden, weight).detach()
+    reason = get_backend("rlk-triton").supports("logp", device=logits.device)
+    if reason is not None:
+        pytest.skip(f"rlk-triton cannot run here: {reason}")
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton")
+    expected = kernels.logp(logits, targets)
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", perturbed.DOTTED_PATH)
+    assert kernels.backend_id().startswith(perturbed.BACKEND_ID + "/")
+    torch.testing.assert_close(kernels.logp(logits, targets), expected + perturbed.LOGP_BIAS, atol=1e-6, rtol=0)
+    with pytest.raises(kernels.KernelFallbackError, match="does not implement ratio_kl"):
+        kernels.ratio_kl(expected, expected, expected, torch.ones_like(expected))
 
 
 def test_rlk_e2e_run_of_a_trl_spec_refuses_vime_only_options(capsys):

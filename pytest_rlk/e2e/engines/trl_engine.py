@@ -123,8 +123,8 @@ def arm_commands(
 ) -> dict[ArmRole, ArmCommand]:
     """The two arms' commands; raises ``ArmMismatchError`` if they differ beyond the switch.
 
-    ``extra_env`` (both arms) carries test-only settings such as the perturbation switch, which
-    ``kernels.integrations.trl`` applies to the kernel arm's log-prob path only. ``max_rollouts``
+    ``extra_env`` (both arms) carries extra settings, such as a test's choice of kernel backend
+    (``VIME_RL_KERNEL_BACKEND``, which only the kernel arm uses). ``max_rollouts``
     (both arms) stops before the spec's ``num_rollout``: the first steps of a run are the same
     whatever its length (same seeds), so a shorter arm compares to the other arm's first steps.
     """
@@ -149,7 +149,7 @@ def arm_commands(
 
 
 # Variables of the parent that must not leak into an arm: the kernel switches come from the spec.
-_SCRUBBED_ENV_PREFIXES = ("VIME_RL_KERNEL", "RLK_TEST_PERTURB", "RLK_ALLOW_TEST_PERTURBATION")
+_SCRUBBED_ENV_PREFIXES = ("VIME_RL_KERNEL",)
 
 
 def _arm_environment(command: ArmCommand, repo_root: Path) -> dict[str, str]:
@@ -162,8 +162,8 @@ def _arm_environment(command: ArmCommand, repo_root: Path) -> dict[str, str]:
 def plan_text(spec_path: Path, out_dir: Path, *, repo_root: Path) -> str:
     """Both arms' exact subprocess commands (a dry run of ``run_ab``), as shell lines.
 
-    Each arm runs in ``repo_root`` with the parent's environment minus any kernel-switch or
-    perturbation variables, plus the lines' variables and ``PYTHONPATH`` led by ``repo_root``.
+    Each arm runs in ``repo_root`` with the parent's environment minus any kernel-switch
+    variables, plus the lines' variables and ``PYTHONPATH`` led by ``repo_root``.
     """
     import shlex
 
@@ -267,21 +267,19 @@ PERTURBED = "kernels_perturbed"
 
 
 def run_ab(
-    spec_path: Path, out_dir: Path, *, repo_root: Path, perturb_bias: float | None = None,
+    spec_path: Path, out_dir: Path, *, repo_root: Path, perturbed_env: dict[str, str] | None = None,
     perturb_rollouts: int | None = None,
 ) -> TrlAbRun:
-    """Run both arms and, with ``perturb_bias``, a test-only perturbed kernel arm (of
-    ``perturb_rollouts`` steps when given: it only has to show that the gate fails)."""
-    from kernels.integrations.trl import ALLOW_PERTURB_ENV, PERTURB_ENV
-
+    """Run both arms and, with ``perturbed_env``, a third: the kernel arm with these extra variables
+    (a test selects a perturbed kernel backend this way), of ``perturb_rollouts`` steps when given
+    (it only has to show that the gate fails)."""
     spec = load_spec(spec_path)
     commands: dict[str, ArmCommand] = dict(arm_commands(spec_path, out_dir))
-    if perturb_bias is not None:
-        perturbed_env = {PERTURB_ENV: repr(float(perturb_bias)), ALLOW_PERTURB_ENV: "1"}
+    if perturbed_env is not None:
         perturbed = arm_commands(
             spec_path, out_dir / "perturbed", extra_env=perturbed_env, max_rollouts=perturb_rollouts
         )["kernels"]
-        label = f"{perturbed.label} (test-only log-prob bias {perturb_bias:g})"
+        label = f"{perturbed.label} (test-only: {' '.join(f'{k}={v}' for k, v in perturbed_env.items())})"
         commands[PERTURBED] = dataclasses.replace(perturbed, label=label)
     start = time.perf_counter()
     if TrlArmConfig.from_spec(spec).settings.device == "cpu":
@@ -362,12 +360,6 @@ def write_ab_report(run: TrlAbRun, verdict, out_dir: Path, *, repo_root: Path, k
             "CPU lane: the kernel arm runs our Triton kernels through the Triton interpreter "
             "(TRITON_INTERPRET=1) with VIME_RL_KERNEL_STRICT=1, so a fallback would have failed the run; "
             "speed and memory are reported, not gated, on CPU."
-        )
-    if kernel_info["test_perturbation_logp"]:
-        notes.append(
-            f"TEST-ONLY PERTURBATION: the kernel arm's log-probs carry a bias of "
-            f"{kernel_info['test_perturbation_logp']:g} (RLK_TEST_PERTURB_LOGP); this run exists to prove the "
-            "gate fails."
         )
     inputs = ReportInputs(
         case=spec.case, engine="trl", platform=spec.hardware.platform, hardware=kernel_info["hardware"],
@@ -751,7 +743,6 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path, max_rollouts: int | N
         "backend_id": kernels.backend_id(),
         "fallback_counts": kernels.fallback_counts(),
         "fallback_reasons": kernels.fallback_reasons(),
-        "test_perturbation_logp": trl_integration.test_perturbation_bias(),
         "max_rollouts": max_rollouts,
         "initial_weights_digest": initial_digest,
         "model_dir": str(model_dir),
