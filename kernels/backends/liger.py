@@ -1,7 +1,8 @@
 """The ``liger`` backend: Liger-Kernel's GRPO ops mapped onto our contract where the math is vime's.
 
-Register: ``VIME_RL_KERNEL_BACKEND=kernels.backends.liger:make_backend`` (or the name ``liger``
-once it is listed among the built-ins). Needs ``pip install liger-kernel`` (extra ``liger``).
+Select it with ``VIME_RL_KERNEL_BACKEND=liger`` (a built-in name; ``--rlk-backend liger`` in the op
+tier). Needs ``pip install liger-kernel`` (extra ``liger``). Each implementation takes the op's
+checked call (kernels/contracts/) and adds only the checks Liger's math needs.
 
 Ops served, and how each maps onto Liger (0.8.5):
 

@@ -2,8 +2,8 @@
 
 RL-Kernel is not on PyPI. Make it importable (``pip install -e <checkout>``, or put the checkout on
 ``PYTHONPATH``), or point ``RLK_RL_ENGINE_PATH`` at a checkout: this module then adds that path to
-``sys.path`` when it imports ``rl_engine``. Register with
-``VIME_RL_KERNEL_BACKEND=kernels.backends.rl_engine:make_backend``. No RL-Kernel code is copied
+``sys.path`` when it imports ``rl_engine``. Select it with ``VIME_RL_KERNEL_BACKEND=rl_engine`` (a
+built-in name). No RL-Kernel code is copied
 here: every op is a call into ``rl_engine.kernels.registry.kernel_registry.get_op(name)``, i.e. the
 implementation RL-Kernel itself picks on this machine (on CUDA: its Triton ``ratio_kl``,
 ``grpo_loss`` and ``linear_logp``, and for ``logp`` its compiled ``_C`` kernel when the extension is
