@@ -58,12 +58,13 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
 
 
 def _imported_kernels_api() -> ModuleType | None:
-    """Our ``kernels`` if its ops were already imported (importing them may be slow; reading
-    ``kernels.settings`` alone does not import them)."""
+    """Our ``kernels`` if its API is already loaded (loading it imports torch; reading
+    ``kernels.settings`` alone does not load it)."""
     mod = sys.modules.get("kernels")
-    if mod is None or not getattr(mod, "__rlk_kernels__", False) or "kernels.dispatch" not in sys.modules:
+    if mod is None or not getattr(mod, "__rlk_kernels__", False):
         return None
-    return mod
+    loaded = "kernels.dispatch" in sys.modules or "fallback_counts" in vars(mod)
+    return mod if loaded else None
 
 
 def kernel_backend_ids() -> list[str]:

@@ -38,6 +38,8 @@ finer rules.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -72,6 +74,12 @@ class Backend(Protocol):
     def supports(self, op: str, **case: Any) -> str | None: ...
 
     def get(self, op: str) -> Callable[..., Any]: ...
+
+
+@functools.cache
+def import_function(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported on first use (a backend loads an op's module only when it serves it)."""
+    return getattr(importlib.import_module(module), name)
 
 
 class BaseBackend:

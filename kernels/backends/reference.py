@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-from kernels.backends.base import OPS, BaseBackend, Capabilities
+from kernels.backends.base import OPS, BaseBackend, Capabilities, import_function
 
 REFERENCE_VERSION = "0.1.0"
 # op -> module and function of one checked call (imported on first use)
@@ -23,17 +22,10 @@ class ReferenceBackend(BaseBackend):
     version = REFERENCE_VERSION
     capabilities = Capabilities(ops=frozenset(OPS))
 
-    def __init__(self) -> None:
-        self._impls: dict[str, Callable[..., Any]] = {}
-
     def get(self, op: str) -> Callable[..., Any]:
-        impl = self._impls.get(op)
-        if impl is None:
-            if op not in IMPLEMENTATIONS:
-                raise KeyError(f"unknown op {op!r}; known: {OPS}")
-            module, name = IMPLEMENTATIONS[op]
-            impl = self._impls[op] = getattr(importlib.import_module(module), name)
-        return impl
+        if op not in IMPLEMENTATIONS:
+            raise KeyError(f"unknown op {op!r}; known: {OPS}")
+        return import_function(*IMPLEMENTATIONS[op])
 
 
 def make_backend() -> ReferenceBackend:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernels import settings
-from kernels.backends.base import OPS, BaseBackend, Capabilities
+from kernels.backends.base import OPS, BaseBackend, Capabilities, import_function
 
 TRITON_BACKEND_VERSION = "0.1.0"
 
@@ -41,9 +41,6 @@ class TritonBackend(BaseBackend):
     version = TRITON_BACKEND_VERSION
     capabilities = Capabilities(ops=frozenset(OPS))
 
-    def __init__(self) -> None:
-        self._impls: dict[str, Callable[..., Any]] = {}
-
     def check_case(self, op: str, **case: Any) -> str | None:
         missing = _triton_missing()
         if missing is not None:
@@ -56,13 +53,10 @@ class TritonBackend(BaseBackend):
         return None
 
     def get(self, op: str) -> Callable[..., Any]:
-        impl = self._impls.get(op)
-        if impl is None:
-            if op not in self.capabilities.ops:
-                raise KeyError(f"{self.id} does not implement {op!r}")
-            # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call
-            impl = self._impls[op] = getattr(importlib.import_module(f"kernels.ops.{op}"), f"{op}_call")
-        return impl
+        if op not in self.capabilities.ops:
+            raise KeyError(f"{self.id} does not implement {op!r}")
+        # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call
+        return import_function(f"kernels.ops.{op}", f"{op}_call")
 
 
 def make_backend() -> TritonBackend:

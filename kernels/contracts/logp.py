@@ -24,7 +24,7 @@ class LogpCall:
     tp_group      the process group the vocab is split over, or None.
     returns       fp32 [T], autograd to ``logits`` (identical on every rank of ``tp_group``).
 
-    Constructing one checks every input (kernels/contracts/checks.py), ids range included.
+    Every input is checked when the call is built (kernels/contracts/checks.py), ids range included.
     """
 
     logits: torch.Tensor
