@@ -74,10 +74,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (SpecError, ArmMismatchError) as exc:
         return _fail("run", str(exc), 2)
     out = Path(args.out) if args.out else DEFAULT_OUT / spec.case
-    progress = LineProgress()
-    progress.message(f"rlk e2e run {spec.case} (engine {spec.engine}) into {out}")
     try:
-        run = run_ab(spec, out, options=options, overwrite=args.overwrite, progress=progress)
+        run = run_ab(spec, out, options=options, overwrite=args.overwrite, progress=LineProgress())
     except (SpecError, ArmMismatchError) as exc:
         return _fail("run", str(exc), 2)
     except (ABRunError, LaunchError) as exc:

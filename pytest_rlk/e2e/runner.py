@@ -13,6 +13,7 @@ shows progress, has the engine read each arm back (`Engine.read_arm`), gates the
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -122,8 +123,6 @@ def plan_text(spec: ABSpec, options: Mapping[str, Any] | None = None, *, run_dir
 def claim_out_dir(out_dir: Path, *, overwrite: bool) -> None:
     """Create the run directory. One that holds anything is refused unless `overwrite`; then it
     must be an earlier run's (it has spec.json) and is emptied first."""
-    import shutil
-
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputExistsError(f"--out {out_dir}: exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -155,6 +154,7 @@ def run_ab(spec: ABSpec, out_dir: str | Path, *, options: Mapping[str, Any] | No
             (outcome.arm_dir / SPEC_FILE).write_text(outcome.spec.model_dump_json(indent=1))
     run = ABRun(spec, out, ctx, planned)
     progress = progress or SilentProgress()
+    progress.message(f"A/B {spec.case} (engine {ctx.label}) into {out}")
     start = time.perf_counter()
     for lane in lanes_in_order(spec):
         _run_lane(engine, run, lane, progress)

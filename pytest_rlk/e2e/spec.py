@@ -1,16 +1,14 @@
 """The A/B run spec: one file describes both arms of an end-to-end comparison.
 
 Everything that must be identical between the arms (model, data, hardware, seeds,
-hyperparameters, parallelism, engine settings) is written once; the only difference between the
-arms is the `kernel_switch` (environment + extra engine arguments of the kernel arm), plus what an
-arm declares for itself in `arms.<role>.env` (a test or diagnostic variant, shown in plans and
-reports). `pytest_rlk.e2e.arms` checks on the resolved commands that nothing else differs.
+hyperparameters, parallelism, engine settings) is written once; the arms differ only by the
+`kernel_switch` (environment + extra engine arguments of the kernel arm) and what an arm declares
+in `arms.<role>.env` (a test variant; plans and reports show it). `arms` checks the commands.
 
-Engine-specific settings live in one section named after the engine (`"engine": "trl"` and a
-`"trl": {...}` section). Each engine brings its own pydantic model for it (`Engine.settings_model`,
-a subclass of `EngineSettings`, found by name in `pytest_rlk.e2e.engines`), so `load_spec`
-validates the section like the rest and its errors name the file and the field (`trl.dtype: ...`).
-In Python the section is `spec.settings`; `model_dump` writes it back under the engine's name.
+Engine settings live in one section named after the engine (`"engine": "trl"`, `"trl": {...}`),
+validated by the engine's own model (`Engine.settings_model`, an `EngineSettings`), so `load_spec`
+errors name the file and the field (`trl.dtype: ...`). In Python it is `spec.settings`; dumps write
+it back under the engine's name.
 
 Spec files are JSON (`pytest_rlk/e2e/specs/*.json`). Paths may use `${VAR}` placeholders
 (`pytest_rlk.e2e.placeholders`).
@@ -218,7 +216,7 @@ class ABSpec(_Frozen):
         data = dict(data)
         engine = data["engine"]
         errors: list[dict[str, Any]] = []
-        settings: EngineSettings = EngineSettings()  # stands in while the rest is validated
+        settings = EngineSettings()  # stands in for an invalid section: the rest is still validated
         for other in engine_names():
             if other != engine and other in data:
                 errors.append(_error((other,), f"engine is {engine!r}: remove the {other!r} section", data.pop(other)))
@@ -235,10 +233,7 @@ class ABSpec(_Frozen):
                     settings = model.model_validate(section)
                 except ValidationError as exc:
                     errors += [{**err, "loc": (engine, *err["loc"])} for err in exc.errors()]
-        if errors:  # the rest is validated without the engine's checks, to report everything at once
-            data["settings"] = EngineSettings()
-        else:
-            data["settings"] = settings
+        data["settings"] = settings
         try:
             spec = handler(data)
         except ValidationError as exc:
