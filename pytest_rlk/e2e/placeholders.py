@@ -30,6 +30,8 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 def environment_value(name: str) -> str | None:
     """The value a spec's `${name}` expands to, or None when it is unset."""
+    if name == RUN_DIR_PLACEHOLDER[2:-1]:
+        return None  # the plan's stand-in for --out, whatever the environment says
     reader = SPEC_VARIABLES.get(name)
     return reader() if reader is not None else os.environ.get(name)
 

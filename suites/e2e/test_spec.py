@@ -12,6 +12,7 @@ from pytest_rlk.cli import main as rlk_main
 from pytest_rlk.e2e.arms import ArmCommand, ArmMismatchError, check_arms_differ_only_by_switch
 from pytest_rlk.e2e.engines.vime import commands as vime_commands
 from pytest_rlk.e2e.placeholders import RUN_DIR_PLACEHOLDER, expand_placeholders
+from pytest_rlk.e2e.runner import plan_text
 from pytest_rlk.e2e.spec import ABSpec, SpecError, load_spec, matrix_spec_paths
 
 SPEC_PATHS = matrix_spec_paths()
@@ -226,6 +227,12 @@ def test_placeholders_expand_or_name_the_missing_variable():
     assert expand_placeholders("${A}/x", {"A": "/m"}, what="t") == "/m/x"
     with pytest.raises(SpecError, match=r"RLK_MODELS is not set"):
         expand_placeholders("${RLK_MODELS}/Qwen3-4B", {}, what="model")
+
+
+def test_the_run_dir_placeholder_is_never_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RLK_RUN_DIR", "/elsewhere")
+    text = plan_text(load_spec(TRL_SPECS[0]))
+    assert "/elsewhere" not in text and f"--out '{RUN_DIR}/live/baseline'" in text
 
 
 def test_unknown_spec_name_lists_the_shipped_ones(capsys):

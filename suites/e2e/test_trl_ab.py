@@ -290,19 +290,29 @@ def test_rlk_e2e_run_of_a_trl_spec_refuses_vime_only_options(capsys):
 
 
 def test_rlk_e2e_run_of_a_trl_spec_fails_clearly_when_an_arm_dies(tmp_path, capsys):
-    """Both arms die at model load (no checkpoint there): exit 1, the arm and its log named."""
+    """Both arms die building the model (a model size it does not know): exit 1, the arm and its
+    log named, everything the arms left kept."""
     from pytest_rlk.cli import main as rlk_main
 
-    spec_path = _spec_with(tmp_path, **{"model.hf_checkpoint": str(tmp_path / "no-model")})
+    spec_path = _spec_with(tmp_path, **{"trl.model_size": {"hidden_size_typo": 64}})
     out = tmp_path / "run"
     assert rlk_main(["e2e", "run", str(spec_path), "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "rlk e2e run: FAILED: trl-qwen3-tiny-dense-cpu: A/B trl-qwen3-tiny-dense-cpu: 2 arm failure(s)" in err
     assert "arm 'trl' (live lane, local mode) failed: exit code 1" in err
-    assert str(out / "live" / "baseline" / "arm.log") in err and "no config.json there" in err
+    assert str(out / "live" / "baseline" / "arm.log") in err and "unknown field(s) ['hidden_size_typo']" in err
     # what the arms left is kept, the report says they failed, and the result says FAIL
     assert json.loads((out / "ab_result.json").read_text())["passed"] is False
     assert "### trl (live): failed" in (out / "report" / "report.md").read_text()
+
+
+def test_rlk_e2e_run_refuses_a_checkpoint_that_is_not_there_before_starting(tmp_path, capsys):
+    from pytest_rlk.cli import main as rlk_main
+
+    spec_path = _spec_with(tmp_path, **{"model.hf_checkpoint": str(tmp_path / "no-model")})
+    assert rlk_main(["e2e", "run", str(spec_path), "--out", str(tmp_path / "run")]) == 2
+    assert f"model.hf_checkpoint {str(tmp_path / 'no-model')!r}: no config.json there" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_reward_is_verifiable():

@@ -19,10 +19,10 @@ from typing import Any
 from pytest_rlk.e2e.arms import ArmCommand
 from pytest_rlk.e2e.engine import ArmLayout, ArmReading, ReportExtras, RunContext, StepProgress
 from pytest_rlk.e2e.engines.trl.series import progress_from_line, read_run_info, read_series
-from pytest_rlk.e2e.engines.trl.settings import TrlSettings
+from pytest_rlk.e2e.engines.trl.settings import TINY_PREFIX, TrlSettings
 from pytest_rlk.e2e.launcher import ArmResult, LaunchConfig
 from pytest_rlk.e2e.report import NO_MOE_CLAIM
-from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane
+from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane, SpecError
 
 CHILD_MODULE = "pytest_rlk.e2e.engines.trl.child"
 # The checkout (or installed tree) that holds pytest_rlk and kernels: the arms run from here.
@@ -51,6 +51,9 @@ class TrlEngine:
     options = ()
 
     def prepare(self, spec: ABSpec, options: Mapping[str, Any], *, run_dir: str, for_run: bool) -> TrlContext:
+        checkpoint = spec.model.hf_checkpoint
+        if for_run and not checkpoint.startswith(TINY_PREFIX) and not (Path(checkpoint) / "config.json").exists():
+            raise SpecError(f"{spec.case}: model.hf_checkpoint {checkpoint!r}: no config.json there")
         notes = (f"each arm: cwd {SUITE_ROOT}, the caller's environment without VIME_RL_KERNEL* plus the variables "
                  f"shown, timeout {spec.timeouts.job_s:g} s",)
         return TrlContext(run_dir=run_dir, launch=LaunchConfig(mode="local"), label="trl",
