@@ -302,16 +302,11 @@ NIGHTLY_TAG = _declare(Setting(
 DATA = _declare(Setting(
     "RLK_DATA", parse_path, None,
     "Folder of the e2e data sets; A/B specs refer to it as `${RLK_DATA}`.",
-    readers=("pytest_rlk/e2e/spec.py",), read="when used", group="suite"))
+    readers=("pytest_rlk/e2e/placeholders.py",), read="when used", group="suite"))
 MODELS = _declare(Setting(
     "RLK_MODELS", parse_path, None,
     "Folder of the e2e model checkpoints; A/B specs refer to it as `${RLK_MODELS}`.",
-    readers=("pytest_rlk/e2e/spec.py",), read="when used", group="suite"))
-RUN_DIR = _declare(Setting(
-    "RLK_RUN_DIR", parse_path, None,
-    "Set by the vime engine for each arm: the arm's output folder (`${RLK_RUN_DIR}` in vime arguments).",
-    readers=("pytest_rlk/e2e/vime_engine.py",), read="when used", group="suite"))
-
+    readers=("pytest_rlk/e2e/placeholders.py",), read="when used", group="suite"))
 GROUPS = ("kernels", "suite", "third party")
 
 

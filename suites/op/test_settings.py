@@ -23,8 +23,9 @@ from kernels.settings import SETTINGS, Setting, parse_flag
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS_DOC = ROOT / "docs" / "settings.md"
 NAME = re.compile(r"\b(?:VIME_RL_KERNEL|RLK)_[A-Z][A-Z0-9_]*\b|\bVIME_RL_KERNEL\b")
-# names of the form that are not environment variables: macros of the CUDA source
-NOT_SETTINGS = {"RLK_THREADS", "RLK_MIN_CTAS", "RLK_DEFINE", "RLK_DEFINE_DTYPE"}
+# names of the form that are not environment variables: macros of the CUDA source, and the e2e
+# specs' stand-in for the run directory (pytest_rlk/e2e/placeholders.py never reads it)
+NOT_SETTINGS = {"RLK_THREADS", "RLK_MIN_CTAS", "RLK_DEFINE", "RLK_DEFINE_DTYPE", "RLK_RUN_DIR"}
 PRODUCT_FILES = [*ROOT.glob("kernels/**/*.py"), *ROOT.glob("pytest_rlk/**/*.py"), *ROOT.glob(".ci/*")]
 
 
