@@ -1,6 +1,6 @@
 """How a contract's call class becomes a function with the op's signature, and what ``supports`` sees.
 
-Each op states its arguments once, as the fields of a frozen dataclass (``LogpCall``, ...), whose
+Each op states its arguments once, as the fields of a dataclass (``LogpCall``, ...), whose
 ``__post_init__`` checks them. :func:`entry_point` turns a function of one such call into a
 function of the op's arguments: ``logp(logits, ids)`` is ``run(LogpCall(logits, ids))``. The public
 API, the reference and the Triton ops define their keyword entry points this way, so the signature

@@ -60,7 +60,7 @@ class LossConfig:
             raise ValueError("LossConfig.tis_clip_low must be <= tis_clip_high")
 
 
-@dataclass(frozen=True, slots=True, eq=False, kw_only=True)
+@dataclass(slots=True, eq=False, kw_only=True)
 class LossInputs:
     """The per-token inputs of vime's loss besides the log-probs (all [T] on one device).
 
@@ -126,7 +126,7 @@ def sample_lengths(num_tokens: int, device: torch.device, lengths: torch.Tensor 
     return torch.tensor([num_tokens], dtype=torch.int64, device=device)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class GrpoLossCall(LossInputs):
     """vime's GRPO loss from logits (kernels/reference/grpo_loss.py states the math):
 
@@ -164,12 +164,11 @@ class GrpoLossCall(LossInputs):
         device = self.logits.device
         check_target_ids(self.target_ids, num_tokens, vocab * world, device, self.ignore_index)
         self.check(num_tokens, device)
-        init = object.__setattr__
-        init(self, "temperature", temperature)
-        init(self, "ignore_index", int(self.ignore_index))
-        init(self, "inplace_backward", bool(self.inplace_backward))
-        init(self, "num_tokens", num_tokens)
-        init(self, "tp_world", world)
+        self.temperature = temperature
+        self.ignore_index = int(self.ignore_index)
+        self.inplace_backward = bool(self.inplace_backward)
+        self.num_tokens = num_tokens
+        self.tp_world = world
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.logits), "temperature": self.temperature, "tp_world": self.tp_world,

@@ -16,7 +16,7 @@ from kernels.contracts.grpo_loss import LossInputs
 from kernels.contracts.linear_logp import check_linear_logp_inputs
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class LinearGrpoLossCall(LossInputs):
     """vime's GRPO loss (GrpoLossCall) with the logits ``hidden @ weight.T (+ bias)`` never materialized.
 
@@ -35,7 +35,7 @@ class LinearGrpoLossCall(LossInputs):
         check_linear_logp_inputs(self.hidden, self.weight, self.target_ids, self.bias, self.temperature,
                                  None, 0, None)
         self.check(self.hidden.shape[0], self.hidden.device)
-        object.__setattr__(self, "temperature", float(self.temperature))
+        self.temperature = float(self.temperature)
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.hidden), "temperature": self.temperature, "tp_world": 1,

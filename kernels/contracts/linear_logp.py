@@ -14,7 +14,7 @@ from kernels.contracts.checks import check_target_ids, check_temperature, check_
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class LinearLogpCall:
     """``logp_t = z[t, id_t] - logsumexp_v z[t, v]``, ``z = (hidden @ weight.T + bias) / temperature``,
     with the logits accumulated in fp32 and never materialized by the kernels.
@@ -44,10 +44,9 @@ class LinearLogpCall:
     def __post_init__(self) -> None:
         global_vocab = check_linear_logp_inputs(self.hidden, self.weight, self.target_ids, self.bias,
                                                 self.temperature, self.tp_group, self.vocab_start, self.global_vocab)
-        init = object.__setattr__
-        init(self, "temperature", float(self.temperature))
-        init(self, "global_vocab", global_vocab)
-        init(self, "tp_world", tp_world(self.tp_group))
+        self.temperature = float(self.temperature)
+        self.global_vocab = global_vocab
+        self.tp_world = tp_world(self.tp_group)
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.hidden), "temperature": self.temperature, "tp_world": self.tp_world}

@@ -12,7 +12,7 @@ from kernels.contracts.call import tensor_case, tp_world
 from kernels.contracts.checks import IGNORE_INDEX, check_logits, check_target_ids, check_temperature
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class LogpCall:
     """``logp_t = z[t, id_t] - logsumexp_v z[t, v]``, ``z = logits / temperature`` (vime's selected log-prob).
 
@@ -42,12 +42,11 @@ class LogpCall:
         temperature = check_temperature(self.temperature)
         world = tp_world(self.tp_group)
         check_target_ids(self.target_ids, num_tokens, vocab * world, self.logits.device, self.ignore_index)
-        init = object.__setattr__
-        init(self, "temperature", temperature)
-        init(self, "ignore_index", int(self.ignore_index))
-        init(self, "num_tokens", num_tokens)
-        init(self, "vocab", vocab)
-        init(self, "tp_world", world)
+        self.temperature = temperature
+        self.ignore_index = int(self.ignore_index)
+        self.num_tokens = num_tokens
+        self.vocab = vocab
+        self.tp_world = world
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.logits), "temperature": self.temperature, "tp_world": self.tp_world}

@@ -11,7 +11,7 @@ from kernels.contracts.call import tensor_case
 from kernels.contracts.checks import check_kl_type, check_mask, check_tensor, check_token_vector
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class RatioKLCall:
     """``ratio = exp(logp - old_logp) * mask``; ``kl = compute_kl(logp, ref_logp, kl_type, use_unbiased_kl) * mask``
     (kernels/reference/kl.py): masked tokens give 0 and zero gradient.
@@ -34,7 +34,7 @@ class RatioKLCall:
     def __post_init__(self) -> None:
         check_kl_type(self.kl_type)
         check_ratio_kl_inputs(self.logp, self.old_logp, self.ref_logp, self.mask)
-        object.__setattr__(self, "use_unbiased_kl", bool(self.use_unbiased_kl))
+        self.use_unbiased_kl = bool(self.use_unbiased_kl)
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.logp), "kl_type": self.kl_type, "use_unbiased_kl": self.use_unbiased_kl}

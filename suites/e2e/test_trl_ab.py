@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
 pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
 
-import perturbed_logp_backend as perturbed  # noqa: E402
+import perturbed_logp_backend as perturbed_backend  # noqa: E402
 import torch  # noqa: E402
 
 from pytest_rlk.e2e import metrics as m  # noqa: E402
@@ -41,8 +41,8 @@ MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
 SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
 PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
 PERTURBED = "kernels_perturbed"
-# The perturbed kernel arm's environment: a backend that adds perturbed.LOGP_BIAS to every log-prob.
-PERTURB_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed.DOTTED_PATH}
+# The perturbed kernel arm's environment: a backend that adds LOGP_BIAS to every log-prob.
+PERTURB_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed_backend.DOTTED_PATH}
 
 
 def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
@@ -87,8 +87,8 @@ def _assert_real_kernel_arm(run: ABRun, key: str = "kernels", backend: str = "rl
 def _perturbed_variant(spec: ABSpec) -> ABSpec:
     raw = spec.model_dump(mode="json")
     raw["hyperparameters"]["num_rollout"] = PERTURB_ROLLOUTS
-    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} (test-only log-prob bias {perturbed.LOGP_BIAS:g})",
-                              "env": PERTURB_ENV}
+    label = f"{spec.arms.kernels.label} (test-only log-prob bias {perturbed_backend.LOGP_BIAS:g})"
+    raw["arms"]["kernels"] = {"label": label, "env": PERTURB_ENV}
     return ABSpec.model_validate(raw)
 
 
@@ -126,7 +126,7 @@ def test_trl_cpu_ab_perturbed_kernel_arm_fails_gate(dense_cpu_ab):
     perturbed = run.arm(PERTURBED)
     assert {k: perturbed.info["env"].get(k) for k in PERTURB_ENV} == PERTURB_ENV
     assert not set(PERTURB_ENV) & set(run.arm("kernels").info["env"])
-    _assert_real_kernel_arm(run, PERTURBED, backend=perturbed.BACKEND_ID)
+    _assert_real_kernel_arm(run, PERTURBED, backend=perturbed_backend.BACKEND_ID)
     assert len(perturbed.series[m.RAW_REWARD]) == PERTURB_ROLLOUTS
     # Same seeds: until the bias matters, the perturbed arm trains exactly like the kernel arm.
     expected = run.arm("kernels").series[m.RAW_REWARD][:PERTURB_ROLLOUTS]
@@ -285,9 +285,10 @@ def test_perturbed_backend_is_rlk_triton_plus_the_bias(monkeypatch):
     monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
     monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton")
     expected = kernels.logp(logits, targets)
-    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", perturbed.DOTTED_PATH)
-    assert kernels.backend_id().startswith(perturbed.BACKEND_ID + "/")
-    torch.testing.assert_close(kernels.logp(logits, targets), expected + perturbed.LOGP_BIAS, atol=1e-6, rtol=0)
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", perturbed_backend.DOTTED_PATH)
+    assert kernels.backend_id().startswith(perturbed_backend.BACKEND_ID + "/")
+    perturbed = kernels.logp(logits, targets)
+    torch.testing.assert_close(perturbed, expected + perturbed_backend.LOGP_BIAS, atol=1e-6, rtol=0)
     with pytest.raises(kernels.KernelFallbackError, match="does not implement ratio_kl"):
         kernels.ratio_kl(expected, expected, expected, torch.ones_like(expected))
 
