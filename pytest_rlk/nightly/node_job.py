@@ -15,7 +15,6 @@ tests it finished.
 """
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import shutil
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_rlk import storage
-from pytest_rlk.e2e.launcher import end_session
+from pytest_rlk.e2e.processes import die_with_parent, end_session
 from pytest_rlk.manifest import utc_now
 from pytest_rlk.session import merge_run
 
@@ -102,29 +101,10 @@ def unpack_files(data: bytes, dest: Path) -> list[str]:
     return written
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _child_setup() -> None:
-    """In the pytest child, between fork and exec: SIGTERM when the process that started it
-    (the Ray worker) dies, so a killed node job leaves no pytest behind; and no blocked signals
-    (Ray workers block SIGINT, and the mask survives exec: pytest would not hear the Ctrl-C that
-    asks it to stop at timeout)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
 def stop_pytest(proc: subprocess.Popen, grace_s: float) -> None:
-    """Ctrl-C first (pytest then finishes the run file as ``interrupted``), then the job's whole
-    session: SIGTERM, SIGKILL."""
-    if proc.poll() is None:
-        try:
-            os.kill(proc.pid, signal.SIGINT)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    end_session(proc, grace_s=10.0)
+    """Ctrl-C first (pytest then finishes the run file as ``interrupted``), ``grace_s`` for it to
+    end, then the rest of the job's session: SIGTERM, SIGKILL."""
+    end_session(proc, grace_s=10.0, leader_first_s=grace_s, leader_signal=signal.SIGINT)
 
 
 def newest_run_dir(runs: Path) -> Path | None:
@@ -151,7 +131,7 @@ def run_node_job(job: NodeJob, work_dir: Path | None = None) -> Iterator[dict]:
             try:
                 proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_child_setup)
+                                        preexec_fn=die_with_parent)
             except OSError as exc:
                 yield {"kind": "not_started", "detail": f"{argv[0]} in {cwd}: {exc}"}
                 return

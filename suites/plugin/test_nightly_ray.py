@@ -17,7 +17,7 @@ import pytest
 from nightly_testing import write_baseline
 
 from pytest_rlk import cli, storage
-from pytest_rlk.e2e.launcher import RAY_LOOPBACK_ENV
+from pytest_rlk.e2e.ray_head import RAY_LOOPBACK_ENV
 
 pytest.importorskip("ray", reason="rlk nightly runs its node jobs through Ray")
 from ray.cluster_utils import Cluster  # noqa: E402
