@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,37 +141,32 @@ def _ensure_run(config) -> Path:
 
 
 def _configure_sharding(config, state: RlkState, workerinput: dict | None) -> None:
-    """``--rlk-shard-gpus`` (controller and workers) and the all-GPU phase it runs afterwards."""
+    """``--rlk-shard-gpus`` (its controller and workers) and the all-GPU phase that follows it."""
     opts = state.opts
+    if opts.all_gpu_phase is None and not opts.shard_gpus:
+        return
     try:
         if opts.all_gpu_phase is not None:
             state.worker, state.run_dir = sharding.ALL_GPU_WORKER, opts.all_gpu_phase
-            config.pluginmanager.register(_AllGpuPhaseHooks(sharding.read_nodeids(opts.all_gpu_phase)),
-                                          "rlk-all-gpu-phase")
-        elif not opts.shard_gpus:
-            return
-        elif not config.pluginmanager.hasplugin("xdist"):
-            raise sharding.ShardError("--rlk-shard-gpus needs pytest-xdist (one worker per GPU, -n auto)")
+            hooks = _AllGpuPhaseHooks(sharding.read_nodeids(opts.all_gpu_phase))
         elif workerinput is not None:
-            sharding.check_worker_pinning(workerinput["rlk_gpu"], os.environ)
-            sharding.check_worker_config(workerinput["rlk_inipath"], config.inipath)
-            config.pluginmanager.register(_ShardWorkerHooks(), "rlk-shard-worker")
+            sharding.check_worker(workerinput, os.environ, config.inipath)
+            hooks = _ShardWorkerHooks()
         else:
-            sharding.check_path_options(config.invocation_params.args)
-            gpu_ids = sharding.node_gpu_ids(state.platform, os.environ)
-            config.option.tx = sharding.worker_tx_specs(config.option.tx, gpu_ids)
-            state.gpu_shards = sharding.shard_map(config.option.tx, gpu_ids)
-            config.pluginmanager.register(_ShardControllerHooks(state), "rlk-shard-controller")
+            sharding.check_xdist(config.pluginmanager.hasplugin("xdist"))
+            config.option.tx, state.gpu_shards = sharding.pin_workers(
+                config.option.tx, state.platform, os.environ, config.invocation_params.args)
+            hooks = _ShardControllerHooks(state)
     except sharding.ShardError as exc:
         raise pytest.UsageError(str(exc)) from None
+    config.pluginmanager.register(hooks, "rlk-shard-gpus")
 
 
-def _hold_back(config, items: list) -> list:
-    """Remove the tests that need more than one GPU from ``items``; returns them."""
-    held = [item for item in items if sharding.runs_in_all_gpu_phase(
-        ((m.name, m.args) for m in item.iter_markers()), unserved=UNSERVED in item.stash)]
-    if held:
-        items[:] = [item for item in items if item not in held]
+def _held_back(items: list) -> list:
+    """Remove the tests that wait for the all-GPU phase from ``items``; returns them."""
+    keep, held = sharding.split_held_back(
+        items, lambda item: ([(m.name, m.args) for m in item.iter_markers()], UNSERVED in item.stash))
+    items[:] = keep
     return held
 
 
@@ -182,8 +175,7 @@ class _ShardWorkerHooks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
-        held = _hold_back(config, items)
-        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in held]
+        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in _held_back(items)]
 
 
 class _AllGpuPhaseHooks:
@@ -205,42 +197,24 @@ class _ShardControllerHooks:
 
     def __init__(self, state: RlkState) -> None:
         self.state = state
-        self.held: dict[str, None] = {}  # nodeids, in collection order
+        self.held: dict[str, None] = {}  # nodeids, in the order the workers reported them
 
     def pytest_configure_node(self, node):
-        node.workerinput["rlk_gpu"] = sharding.spec_gpu(node.gateway.spec.env)
-        node.workerinput["rlk_inipath"] = str(node.config.inipath)
+        node.workerinput.update(sharding.worker_input(node.gateway.spec.env, node.config.inipath))
 
     def pytest_testnodedown(self, node, error):
-        for nodeid in getattr(node, "workeroutput", {}).get(sharding.WORKEROUTPUT_KEY, ()):
-            self.held.setdefault(nodeid)
+        self.held.update(dict.fromkeys(getattr(node, "workeroutput", {}).get(sharding.WORKEROUTPUT_KEY, ())))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtestloop(self, session):
         result = yield  # the workers' phase; raises when it was stopped (-x, Ctrl-C)
         if self.held and self.state.run_dir is not None and not session.shouldfail and not session.shouldstop:
-            session.testsfailed += self._run_all_gpu_phase(session.config)
+            config = session.config
+            session.testsfailed += sharding.run_all_gpu_phase(
+                list(self.held), self.state.run_dir, invocation_args=config.invocation_params.args,
+                cwd=config.invocation_params.dir, gpus=self.state.gpu_shards[sharding.ALL_GPU_WORKER],
+                say=config.get_terminal_writer().line)
         return result
-
-    def _run_all_gpu_phase(self, config) -> int:
-        """The held-back tests in one serial pytest that sees every GPU; returns its failures."""
-        run_dir = self.state.run_dir
-        sharding.write_nodeids(run_dir, list(self.held))
-        argv = sharding.all_gpu_phase_argv(config.invocation_params.args, run_dir)
-        write = config.get_terminal_writer().line
-        count = "1 test that needs" if len(self.held) == 1 else f"{len(self.held)} tests that need"
-        write("")
-        write(f"rlk: all-GPU phase: {count} more than one GPU, alone on the node with GPUs "
-              f"{self.state.gpu_shards[sharding.ALL_GPU_WORKER]} visible")
-        status = subprocess.run(argv, cwd=config.invocation_params.dir, check=False,
-                                env=sharding.all_gpu_phase_env(os.environ)).returncode
-        outcomes = sharding.phase_outcomes(run_dir)
-        if outcomes is None or status not in (0, 1):
-            write(f"rlk: all-GPU phase: pytest exited with status {status}"
-                  + ("" if outcomes else " and recorded no test") + f": {shlex.join(argv)}", red=True)
-            return 1
-        write("rlk: all-GPU phase: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
-        return outcomes["failed"] + outcomes["error"]
 
 
 class _XdistHooks:

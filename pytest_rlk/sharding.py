@@ -18,10 +18,14 @@ CPU forms of the tests run exactly as they would serially. It is refused where G
 """
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from pytest_rlk import storage
 from pytest_rlk.schema import PlatformInfo
@@ -32,6 +36,8 @@ VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 ALL_GPU_WORKER = "all-gpus"  # the part file (and TestRecord.worker) of the all-GPU phase
 NODEIDS_FILE = "all-gpu-nodeids.txt"  # in the run dir: what the all-GPU phase runs
 WORKEROUTPUT_KEY = "rlk_all_gpu_nodeids"
+_GPU_KEY, _INIPATH_KEY = "rlk_gpu", "rlk_inipath"  # what the controller tells each worker
+T = TypeVar("T")
 
 
 class ShardError(ValueError):
@@ -81,9 +87,31 @@ def worker_tx_specs(tx: Sequence[str], gpu_ids: Sequence[str]) -> list[str]:
     return [f"popen//env:{VISIBLE_ENV}={gpu}" for gpu in gpu_ids[:len(tx)]]
 
 
-def spec_gpu(spec_env: Mapping[str, str]) -> str:
-    """The GPU a worker's spec pins it to (from the spec's ``env:`` entries)."""
-    return spec_env[VISIBLE_ENV]
+def check_xdist(have_xdist: bool) -> None:
+    if not have_xdist:
+        raise ShardError("--rlk-shard-gpus needs pytest-xdist (one worker per GPU, -n auto)")
+
+
+def pin_workers(tx: Sequence[str], platform: PlatformInfo, env: Mapping[str, str],
+                invocation_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The controller: the workers' ``--tx`` specs, one GPU each, and the shard map (worker id ->
+    its GPUs) for the manifest."""
+    check_path_options(invocation_args)
+    gpu_ids = node_gpu_ids(platform, env)
+    specs = worker_tx_specs(tx, gpu_ids)
+    return specs, shard_map(specs, gpu_ids)
+
+
+def worker_input(spec_env: Mapping[str, str], controller_inipath: Path | None) -> dict[str, str]:
+    """What the controller tells a worker so it can check itself: the GPU its spec pins it to
+    (from the spec's ``env:`` entries) and the config file the controller read."""
+    return {_GPU_KEY: spec_env[VISIBLE_ENV], _INIPATH_KEY: str(controller_inipath)}
+
+
+def check_worker(workerinput: Mapping[str, object], env: Mapping[str, str], inipath: Path | None) -> None:
+    """A worker: pinned as its spec said, reading the controller's config file."""
+    check_worker_pinning(str(workerinput[_GPU_KEY]), env)
+    check_worker_config(str(workerinput[_INIPATH_KEY]), inipath)
 
 
 def shard_map(tx_specs: Sequence[str], gpu_ids: Sequence[str]) -> dict[str, str]:
@@ -134,6 +162,17 @@ def runs_in_all_gpu_phase(marks: Iterable[tuple[str, tuple]], *, unserved: bool)
     return not unserved and gpus_needed(marks) > 1
 
 
+def split_held_back(items: Sequence[T], marks_and_unserved: Callable[[T], tuple[list, bool]]
+                    ) -> tuple[list[T], list[T]]:
+    """``items`` as (run by this worker, held back for the all-GPU phase); ``marks_and_unserved``
+    gives an item's ``(marker name, args)`` pairs and whether it skips anyway."""
+    keep, held = [], []
+    for item in items:
+        marks, unserved = marks_and_unserved(item)
+        (held if runs_in_all_gpu_phase(marks, unserved=unserved) else keep).append(item)
+    return keep, held
+
+
 def write_nodeids(run_dir: Path, nodeids: Sequence[str]) -> Path:
     path = run_dir / NODEIDS_FILE
     storage.write_json_atomic(path, "\n".join(nodeids))
@@ -169,3 +208,23 @@ def phase_outcomes(run_dir: Path) -> Counter[str] | None:
     if not path.exists():
         return None
     return Counter(t.outcome for t in storage.load_part(path).tests)
+
+
+def run_all_gpu_phase(nodeids: Sequence[str], run_dir: Path, *, invocation_args: Sequence[str], cwd: Path,
+                      gpus: str, say: Callable[..., None]) -> int:
+    """The held-back tests in one serial pytest that sees every GPU, in the foreground (its output
+    is the run's; a Ctrl-C reaches it with the controller); returns its failures (1 where pytest
+    itself failed). ``say(line, red=...)`` writes to the terminal."""
+    write_nodeids(run_dir, nodeids)
+    argv = all_gpu_phase_argv(invocation_args, run_dir)
+    count = "1 test that needs" if len(nodeids) == 1 else f"{len(nodeids)} tests that need"
+    say("")
+    say(f"rlk: all-GPU phase: {count} more than one GPU, alone on the node with GPUs {gpus} visible")
+    status = subprocess.run(argv, cwd=cwd, check=False, env=all_gpu_phase_env(os.environ)).returncode
+    outcomes = phase_outcomes(run_dir)
+    if outcomes is None or status not in (0, 1):
+        say(f"rlk: all-GPU phase: pytest exited with status {status}"
+            + ("" if outcomes else " and recorded no test") + f": {shlex.join(argv)}", red=True)
+        return 1
+    say("rlk: all-GPU phase: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+    return outcomes["failed"] + outcomes["error"]
