@@ -1,9 +1,11 @@
 """Do two runs of the same tests give the same per-test results? (``rlk same RUN_A RUN_B``)
 
 Made for a sharded run against a serial one (``--rlk-shard-gpus``), or any two runs that must not
-differ: the same test ids, the same outcome per test, and the same gated metric values (exactly,
-or within ``rel_tol``). Timings differ between any two runs, so runs with gated timings compare
-with a tolerance or not at all.
+differ: the same test ids, the same outcome per test, and the same metric values (exactly, or
+within ``rel_tol``). Values of the measured spaces (time, throughput, memory) differ between any
+two runs of the same code; they are compared only when asked (``measured=True``, with a tolerance).
+Every other value (errors, log-probs, losses, counts...) is computed, so the same code on the same
+inputs must give it again, gated or not.
 """
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ class Difference:
         return f"{self.nodeid}: {self.what}"
 
 
-def _gated_values(test: TestRecord) -> dict[str, float]:
+MEASURED_SPACES = ("time", "throughput", "memory")
+
+
+def _values(test: TestRecord, measured: bool) -> dict[str, float]:
     values = {}
     for m in test.metrics:
-        if m.gate:
+        if measured or m.space not in MEASURED_SPACES:
             try:
                 values[m.name] = scalar_value(m)
             except ValueError:
@@ -40,7 +45,7 @@ def _same(a: float, b: float, rel_tol: float) -> bool:
     return a == b or abs(a - b) <= rel_tol * max(abs(a), abs(b))
 
 
-def compare_runs(a: RunRecord, b: RunRecord, *, rel_tol: float = 0.0) -> list[Difference]:
+def compare_runs(a: RunRecord, b: RunRecord, *, rel_tol: float = 0.0, measured: bool = False) -> list[Difference]:
     """Every difference between A and B, test by test (sorted by test id)."""
     tests_a = {t.nodeid: t for t in a.tests}
     tests_b = {t.nodeid: t for t in b.tests}
@@ -52,14 +57,14 @@ def compare_runs(a: RunRecord, b: RunRecord, *, rel_tol: float = 0.0) -> list[Di
             continue
         if ta.outcome != tb.outcome:
             diffs.append(Difference(nodeid, f"outcome: A {ta.outcome}, B {tb.outcome}"))
-        va, vb = _gated_values(ta), _gated_values(tb)
+        va, vb = _values(ta, measured), _values(tb, measured)
         for name in sorted(va.keys() | vb.keys()):
             if name not in va or name not in vb:
-                diffs.append(Difference(nodeid, f"{name}: gated only in {'B' if name not in va else 'A'}"))
+                diffs.append(Difference(nodeid, f"{name}: only in {'B' if name not in va else 'A'}"))
             elif not _same(va[name], vb[name], rel_tol):
                 diffs.append(Difference(nodeid, f"{name}: A {va[name]!r}, B {vb[name]!r}"))
     return diffs
 
 
-def gated_value_count(run: RunRecord) -> int:
-    return sum(1 for t in run.tests for m in t.metrics if m.gate)
+def compared_value_count(run: RunRecord, measured: bool = False) -> int:
+    return sum(len(_values(t, measured)) for t in run.tests)

@@ -75,23 +75,24 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 
 def cmd_same(args: argparse.Namespace) -> int:
-    from pytest_rlk.same_results import compare_runs, gated_value_count
+    from pytest_rlk.same_results import compare_runs, compared_value_count
 
     runs = []
     for arg in (args.run_a, args.run_b):
         path = storage.resolve_run_file(arg, args.artifacts)
         runs.append((path, storage.load_run(path)))
     (path_a, a), (path_b, b) = runs
-    diffs = compare_runs(a, b, rel_tol=args.rel_tol)
+    diffs = compare_runs(a, b, rel_tol=args.rel_tol, measured=args.measured)
     for name, path, run in (("A", path_a, a), ("B", path_b, b)):
         workers = sorted({t.worker for t in run.tests})
-        print(f"{name}: {path} ({run.status}, {len(run.tests)} tests, {gated_value_count(run)} gated values, "
-              f"workers {', '.join(workers) or '-'})")
+        print(f"{name}: {path} ({run.status}, {len(run.tests)} tests, "
+              f"{compared_value_count(run, args.measured)} values compared, workers {', '.join(workers) or '-'})")
     tol = f"within rel {args.rel_tol:g}" if args.rel_tol else "exactly"
+    what = "values" if args.measured else "computed values (timings not compared)"
     if not diffs:
-        print(f"same results: {len(a.tests)} tests, the same outcomes and gated values ({tol})")
+        print(f"same results: {len(a.tests)} tests, the same outcomes and {what} ({tol})")
         return 0
-    print(f"{len(diffs)} differences (gated values compared {tol}):")
+    print(f"{len(diffs)} differences ({what} compared {tol}):")
     for d in diffs:
         print(f"  {d.line()}")
     return 1
@@ -125,5 +126,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     same.add_argument("run_a", metavar="RUN_A")
     same.add_argument("run_b", metavar="RUN_B")
     same.add_argument("--rel-tol", type=float, default=0.0, metavar="X",
-                      help="gated values may differ by X relative (default 0: exactly equal)")
+                      help="values may differ by X relative (default 0: exactly equal)")
+    same.add_argument("--measured", action="store_true",
+                      help="compare timings, throughputs and memory too (give --rel-tol: they vary run to run)")
     same.set_defaults(func=cmd_same)

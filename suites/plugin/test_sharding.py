@@ -6,14 +6,19 @@ touch CUDA), or the RLK_FAKE_GPUS seam gives the sharding device ids on the CPU 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
-from rlk_plugin_testing import latest_run_dir
+from nightly_testing import metric, result
+from rlk_plugin_testing import REPO_ROOT, checkout_pythonpath, latest_run_dir
 
 from pytest_rlk import cli, sharding, storage
-from pytest_rlk.schema import DeviceInfo, PlatformInfo
+from pytest_rlk.same_results import compare_runs
+from pytest_rlk.schema import DeviceInfo, MetricRecord, PlatformInfo, RunManifest, RunRecord
 
 CPU = PlatformInfo(tag="cpu", detected_tag="cpu")
 TWO_GPUS = PlatformInfo(tag="h200", detected_tag="h200", device_name="NVIDIA H200", device_count=2,
@@ -49,6 +54,47 @@ def test_worker_specs_pin_one_gpu_each():
                               (["popen"] * 3, ["0", "1"], "two workers would share a GPU")):
         with pytest.raises(sharding.ShardError, match=message):
             sharding.worker_tx_specs(tx, gpus)
+
+
+def test_controller_pins_and_workers_check_themselves(tmp_path):
+    specs, shards = sharding.pin_workers(["popen", "popen"], TWO_GPUS, {"CUDA_VISIBLE_DEVICES": "3,5"}, ["-n", "2"])
+    assert specs == ["popen//env:CUDA_VISIBLE_DEVICES=3", "popen//env:CUDA_VISIBLE_DEVICES=5"]
+    assert shards == {"gw0": "3", "gw1": "5", "all-gpus": "3,5"}
+    ini = tmp_path / "pyproject.toml"
+    told = sharding.worker_input({"CUDA_VISIBLE_DEVICES": "5"}, ini)
+    sharding.check_worker(told, {"CUDA_VISIBLE_DEVICES": "5"}, ini)
+    with pytest.raises(sharding.ShardError, match="should see GPU 5 but CUDA_VISIBLE_DEVICES='5,3'"):
+        sharding.check_worker(told, {"CUDA_VISIBLE_DEVICES": "5,3"}, ini)
+    with pytest.raises(sharding.ShardError, match="read the config file None but the controller read"):
+        sharding.check_worker(told, {"CUDA_VISIBLE_DEVICES": "5"}, None)
+    with pytest.raises(sharding.ShardError, match="needs pytest-xdist"):
+        sharding.check_xdist(False)
+
+
+def test_multi_gpu_tests_are_held_back_in_order():
+    items = [("a", [("gpus", (2,))], False), ("b", [], False), ("c", [("gpus", (4,))], True), ("d", [("gpus", (8,))], False)]
+    keep, held = sharding.split_held_back(items, lambda item: (item[1], item[2]))
+    assert [i[0] for i in keep] == ["b", "c"] and [i[0] for i in held] == ["a", "d"]
+
+
+def _run_of(*tests) -> RunRecord:
+    manifest = RunManifest(run_id="r", created_utc="2026-01-01T00:00:00.000000Z", argv=[], tiers=["op"],
+                           platform=PlatformInfo(tag="cpu", detected_tag="cpu"), software={})
+    return RunRecord(manifest=manifest, status="complete", exit_status=0, tests=list(tests))
+
+
+def test_same_results_compares_computed_values_not_timings():
+    def run(err: float, ms: float, outcome: str = "passed") -> RunRecord:
+        timing = MetricRecord(name="rlk_ms", value=ms, direction="lower_is_better", space="time")
+        error = metric("max_abs_err", err).model_copy(update={"gate": False, "space": "error"})
+        return _run_of(result("t.py::test_a", outcome, [error, timing]), result("t.py::test_b"))
+
+    assert compare_runs(run(1e-7, 1.0), run(1e-7, 1.3)) == []  # timings vary run to run
+    assert [d.line() for d in compare_runs(run(1e-7, 1.0), run(1e-7, 1.3), measured=True, rel_tol=0.1)] == [
+        "t.py::test_a: rlk_ms: A 1.0, B 1.3"]
+    assert [d.line() for d in compare_runs(run(1e-7, 1.0), run(2e-7, 1.0, "failed"))] == [
+        "t.py::test_a: outcome: A passed, B failed", "t.py::test_a: max_abs_err: A 1e-07, B 2e-07"]  # ungated too
+    assert [d.line() for d in compare_runs(run(1e-7, 1.0), _run_of(result("t.py::test_b")))] == ["t.py::test_a: only in A"]
 
 
 def test_multi_gpu_tests_wait_for_the_all_gpu_phase():
@@ -154,7 +200,8 @@ def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, m
 
     capsys.readouterr()
     assert cli.main(["same", str(serial), str(sharded)]) == 0
-    assert "same results: 10 tests, the same outcomes and gated values (exactly)" in capsys.readouterr().out
+    assert ("same results: 10 tests, the same outcomes and computed values (timings not compared) (exactly)"
+            in capsys.readouterr().out)
 
     # a failure in the all-GPU phase fails the session, and `rlk same` names what differs
     monkeypatch.setenv("FAIL_TP2", "1")
@@ -164,7 +211,7 @@ def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, m
     assert cli.main(["same", str(serial), str(latest_run_dir(rlk_pytester))]) == 1
     out = capsys.readouterr().out
     assert "suites/op/test_sharded.py::test_tp2: outcome: A passed, B failed" in out
-    assert "suites/op/test_sharded.py::test_tp2: tp2_err: gated only in A" in out
+    assert "suites/op/test_sharded.py::test_tp2: tp2_err: only in A" in out
 
 
 def test_fake_gpu_ids_on_the_cpu_platform(rlk_pytester, monkeypatch):
@@ -196,3 +243,28 @@ def test_sharding_usage_errors(rlk_pytester, monkeypatch, args, env, message):
     result = rlk_pytester.runpytest("-p", "no:cacheprovider", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert message in result.stderr.str()
+
+
+OP_SUBSET = "suites/op/test_ratio_kl.py"  # 26 real parity tests of one op, a few seconds on CPU
+
+
+def _op_run(artifacts: Path, *args: str, env: dict[str, str]) -> RunRecord:
+    argv = [sys.executable, "-m", "pytest", OP_SUBSET, "--rlk-tier=op", "-q", "-p", "no:cacheprovider",
+            f"--rlk-artifacts={artifacts}", *args]
+    done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return storage.load_run(storage.resolve_run_file("latest", artifacts))
+
+
+def test_sharded_op_tier_gives_the_serial_results(tmp_path):
+    """The real op suite of one operator, serial and over two (fake) GPUs: the same tests, the
+    same outcomes, the same parity errors."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "CUDA_VISIBLE", "RLK_FAKE"))}
+    env["PYTHONPATH"] = checkout_pythonpath(os.environ.get("PYTHONPATH"))
+    serial = _op_run(tmp_path / "serial", env=env)
+    sharded = _op_run(tmp_path / "sharded", "-n", "2", "--rlk-shard-gpus", env={**env, "RLK_FAKE_GPUS": "2"})
+    assert {t.worker for t in serial.tests} == {"main"} and {t.worker for t in sharded.tests} == {"gw0", "gw1"}
+    assert sharded.manifest.gpu_shards == {"gw0": "0", "gw1": "1", "all-gpus": "0,1"}
+    compared = sum(1 for t in serial.tests for m in t.metrics if m.space == "error")
+    assert len(serial.tests) == 26 and compared > 20  # parity errors, compared value by value
+    assert [d.line() for d in compare_runs(serial, sharded)] == []
