@@ -67,7 +67,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         raise OptionError("rlk nightly runs its node jobs through Ray: pip install 'ray[default]'") from None
     from pytest_rlk.nightly.ray_driver import run_nightly
 
-    print(f"rlk nightly: plan {args.plan} ({len(plan.nodes)} nodes), results in {out}")
+    nodes = "1 node" if len(plan.nodes) == 1 else f"{len(plan.nodes)} nodes"
+    print(f"rlk nightly: plan {args.plan} ({nodes}), results in {out}")
     run_nightly(plan, out, suite_root=suite_root, address=args.address or os.environ.get("RAY_ADDRESS") or "auto")
     baselines = suite_root / plan.baselines
     return _verdict([out], expect=[], baselines=baselines, out=out / VERDICT_DIR, plots=not args.no_plots,

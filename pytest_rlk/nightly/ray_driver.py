@@ -24,6 +24,7 @@ from pytest_rlk import storage
 from pytest_rlk.manifest import SUITE_COMMIT_ENV, git_state, utc_now
 from pytest_rlk.nightly.node_job import NodeJob, run_node_job, unpack_files
 from pytest_rlk.nightly.plan import NIGHTLY_FILE, NightlyPlan, NightlyRecord, NodeOutcome, NodeSpec
+from pytest_rlk.options import OptionError
 from pytest_rlk.session import merge_run
 
 NODES = "nodes"
@@ -32,6 +33,10 @@ NODE_FILE = "node.json"
 SHIP_EXCLUDES = [".git", ".rlk", ".vime", ".tox", ".whl", "*.egg-info", "__pycache__", ".pytest_cache"]
 # beyond the node's own timeout and stop sequence: how long the driver waits before giving up
 ANSWER_SLACK_S = 120.0
+
+
+class NoCluster(OptionError):
+    """No Ray cluster answers at the address given (a usage error: nothing ran)."""
 
 
 def node_task(job: NodeJob) -> Iterator[dict]:
@@ -222,12 +227,18 @@ def run_nightly(plan: NightlyPlan, nightly_dir: Path, *, suite_root: Path, addre
     record (also in ``nightly_dir/nightly.json``)."""
     import ray
 
-    nightly_dir.mkdir(parents=True, exist_ok=True)
-    runner = NightlyRunner(plan, nightly_dir, suite_root=suite_root, say=say)
     if ray.is_initialized():
         raise RuntimeError("run_nightly connects to Ray itself (the suite reaches the nodes through the "
                            "job's runtime_env): call it before ray.init, with the cluster's address")
-    ray.init(address=address, logging_level="ERROR", runtime_env=runtime_env(plan, suite_root))
+    try:
+        ray.init(address=address, logging_level="ERROR", runtime_env=runtime_env(plan, suite_root))
+    except ConnectionError as exc:
+        raise NoCluster(f"no Ray cluster at address {address!r} ({_first_line(exc)}). Start one "
+                        "(`ray start --head` on one machine, `ray start --address=HEAD:6379 "
+                        "--resources='{\"h100\": 1}'` on each node of a kind) and give its address "
+                        "(--address or RAY_ADDRESS)") from None
+    nightly_dir.mkdir(parents=True, exist_ok=True)
+    runner = NightlyRunner(plan, nightly_dir, suite_root=suite_root, say=say)
     try:
         runner.record.address = ray.get_runtime_context().gcs_address
         runner.submit()

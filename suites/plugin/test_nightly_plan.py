@@ -10,7 +10,7 @@ import tarfile
 import pytest
 from rlk_plugin_testing import checkout_pythonpath
 
-from pytest_rlk import storage
+from pytest_rlk import cli, storage
 from pytest_rlk.nightly.node_job import FileSync, NodeJob, run_node_job, unpack_files
 from pytest_rlk.nightly.plan import NightlyPlan, load_plan
 
@@ -57,6 +57,19 @@ def test_bad_plans_name_the_field(tmp_path, change, field, message):
 def test_duplicate_node_names_are_refused():
     with pytest.raises(ValueError, match="node names must be unique: h100-a"):
         NightlyPlan.model_validate({"schema_version": 1, "nodes": [NODE, NODE]})
+
+
+def test_no_cluster_is_a_usage_error_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("ray", reason="rlk nightly runs its node jobs through Ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where `auto` looks for a cluster started here: none
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan()))
+    out = tmp_path / "nightly"
+    assert cli.main(["nightly", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "rlk: error: no Ray cluster at address 'auto'" in err and "--address or RAY_ADDRESS" in err
+    assert not out.exists()
 
 
 def test_file_sync_sends_new_and_changed_files_only(tmp_path):
