@@ -88,7 +88,7 @@ def pytest_xdist_auto_num_workers(config):
         return None
     try:
         platform = _node_platform(config, options.parse_platform(config.getoption("rlk_platform")))
-        return len(sharding.node_gpu_ids(platform, os.environ)) or None
+        return len(sharding.node_gpu_ids(platform, os.environ, sharding.fake_gpu_count())) or None
     except (options.OptionError, sharding.ShardError) as exc:
         raise pytest.UsageError(str(exc)) from None
 

@@ -12,9 +12,10 @@ controller runs them in an *all-GPU phase*: one serial pytest (same arguments, `
 every GPU of the node visible, alone on the node, writing its part file
 (``parts/all-gpus.json``) into the same run directory. The run file then holds both phases.
 
-Test seam: on a machine without GPUs, ``RLK_FAKE_GPUS=N`` makes the sharding see N GPUs with ids
-0..N-1 (workers get ``CUDA_VISIBLE_DEVICES=0``, ``1``, ...) without changing the platform, so the
-CPU forms of the tests run exactly as they would serially. It is refused where GPUs exist.
+Test seam: on a machine without GPUs, ``RLK_FAKE_GPUS=N`` (``kernels/settings.py`` FAKE_GPUS)
+makes the sharding see N GPUs with ids 0..N-1 (workers get ``CUDA_VISIBLE_DEVICES=0``, ``1``, ...)
+without changing the platform, so the CPU forms of the tests run exactly as they would serially.
+It is refused where GPUs exist.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from pytest_rlk import storage
+from pytest_rlk._kernels_guard import import_project_settings
 from pytest_rlk.schema import PlatformInfo
 from pytest_rlk.session import PARTS
 
-FAKE_GPUS_ENV = "RLK_FAKE_GPUS"
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 ALL_GPU_WORKER = "all-gpus"  # the part file (and TestRecord.worker) of the all-GPU phase
 NODEIDS_FILE = "all-gpu-nodeids.txt"  # in the run dir: what the all-GPU phase runs
@@ -44,20 +45,26 @@ class ShardError(ValueError):
     """Sharding cannot work as asked; the plugin turns it into a pytest usage error."""
 
 
-def node_gpu_ids(platform: PlatformInfo, env: Mapping[str, str]) -> list[str]:
-    """The node's GPUs as ``CUDA_VISIBLE_DEVICES`` entries, in torch's device order.
+def fake_gpu_count() -> int | None:
+    """``RLK_FAKE_GPUS`` (None: unset); a bad value is a :class:`ShardError` naming it."""
+    try:
+        return import_project_settings().FAKE_GPUS.get()
+    except ValueError as exc:
+        raise ShardError(str(exc)) from None
+
+
+def node_gpu_ids(platform: PlatformInfo, env: Mapping[str, str], fake: int | None = None) -> list[str]:
+    """The node's GPUs as ``CUDA_VISIBLE_DEVICES`` entries, in torch's device order (``fake``:
+    the ``RLK_FAKE_GPUS`` count).
 
     Where this process already sees a subset (``CUDA_VISIBLE_DEVICES=2,3``), torch's device i is
     the i-th entry of that list, so worker i gets that entry, not ``i``.
     """
-    fake = env.get(FAKE_GPUS_ENV, "").strip()
-    if fake:
+    if fake is not None:
         if platform.device_count:
-            raise ShardError(f"{FAKE_GPUS_ENV}={fake}: a test seam for machines without GPUs; this one "
-                             f"has {platform.describe()} (unset {FAKE_GPUS_ENV})")
-        if not fake.isdigit() or int(fake) < 1:
-            raise ShardError(f"{FAKE_GPUS_ENV}={fake!r}: expected a GPU count >= 1")
-        return [str(i) for i in range(int(fake))]
+            raise ShardError(f"RLK_FAKE_GPUS={fake}: a test seam for machines without GPUs; this one "
+                             f"has {platform.describe()} (unset RLK_FAKE_GPUS)")
+        return [str(i) for i in range(fake)]
     count = platform.device_count
     visible = [e.strip() for e in env.get(VISIBLE_ENV, "").split(",") if e.strip()]
     if not visible:
@@ -78,7 +85,7 @@ def worker_tx_specs(tx: Sequence[str], gpu_ids: Sequence[str]) -> list[str]:
                          "use -n N instead")
     if not gpu_ids:
         raise ShardError("--rlk-shard-gpus: this machine has no GPU to shard over (a CPU machine can "
-                         f"set {FAKE_GPUS_ENV}=N to test the sharding)")
+                         "set RLK_FAKE_GPUS=N to test the sharding)")
     if len(tx) > len(gpu_ids):
         raise ShardError(f"--rlk-shard-gpus: -n {len(tx)} workers for {len(gpu_ids)} GPUs; two workers "
                          "would share a GPU (and time their benchmarks against each other): use -n auto")
@@ -97,7 +104,7 @@ def pin_workers(tx: Sequence[str], platform: PlatformInfo, env: Mapping[str, str
     """The controller: the workers' ``--tx`` specs, one GPU each, and the shard map (worker id ->
     its GPUs) for the manifest."""
     check_path_options(invocation_args)
-    gpu_ids = node_gpu_ids(platform, env)
+    gpu_ids = node_gpu_ids(platform, env, fake_gpu_count())
     specs = worker_tx_specs(tx, gpu_ids)
     return specs, shard_map(specs, gpu_ids)
 

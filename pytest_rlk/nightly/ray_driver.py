@@ -14,14 +14,13 @@ is passed on as ``RLK_SUITE_COMMIT``, since the shipped copy has no ``.git``).
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_rlk import storage
-from pytest_rlk.manifest import SUITE_COMMIT_ENV, git_state, utc_now
+from pytest_rlk.manifest import SUITE_COMMIT_ENV, suite_state, utc_now
 from pytest_rlk.nightly.node_job import NodeJob, run_node_job, unpack_files
 from pytest_rlk.nightly.plan import NIGHTLY_FILE, NightlyPlan, NightlyRecord, NodeOutcome, NodeSpec
 from pytest_rlk.options import OptionError
@@ -59,7 +58,7 @@ def runtime_env(plan: NightlyPlan, suite_root: Path) -> dict:
     if plan.suite_root is not None:
         # the task itself imports pytest_rlk from the nodes' checkout
         return {"env_vars": {"PYTHONPATH": f"{plan.suite_root}:${{PYTHONPATH}}"}}
-    commit = os.environ.get(SUITE_COMMIT_ENV) or git_state(suite_root)[0]
+    commit = suite_state(suite_root)[0]
     env = {"working_dir": str(suite_root), "excludes": SHIP_EXCLUDES}
     if commit:
         env["env_vars"] = {SUITE_COMMIT_ENV: commit}

@@ -36,12 +36,15 @@ def test_gpu_ids_follow_the_visible_devices():
     assert sharding.node_gpu_ids(CPU, {}) == []
 
 
-def test_fake_gpus_seam_is_for_cpu_machines_only():
-    assert sharding.node_gpu_ids(CPU, {"RLK_FAKE_GPUS": "2"}) == ["0", "1"]
+def test_fake_gpus_seam_is_for_cpu_machines_only(monkeypatch):
+    assert sharding.node_gpu_ids(CPU, {}, fake=2) == ["0", "1"]
     with pytest.raises(sharding.ShardError, match="a test seam for machines without GPUs"):
-        sharding.node_gpu_ids(TWO_GPUS, {"RLK_FAKE_GPUS": "2"})
-    with pytest.raises(sharding.ShardError, match="expected a GPU count"):
-        sharding.node_gpu_ids(CPU, {"RLK_FAKE_GPUS": "two"})
+        sharding.node_gpu_ids(TWO_GPUS, {}, fake=2)
+    monkeypatch.setenv("RLK_FAKE_GPUS", "2")
+    assert sharding.fake_gpu_count() == 2
+    monkeypatch.setenv("RLK_FAKE_GPUS", "two")
+    with pytest.raises(sharding.ShardError, match="RLK_FAKE_GPUS='two': expected a positive int"):
+        sharding.fake_gpu_count()
 
 
 def test_worker_specs_pin_one_gpu_each():
