@@ -9,6 +9,12 @@ The fork's Megatron backend builds a ``LinearLogpRequest`` (logits ``[T, V_local
 when ``with_entropy``), ``backend_id``, ``contract_id`` and ``provenance``; "unavailable" is an exception
 with ``linear_logp_provider_unavailable = True``. The native path is vime's
 ``calculate_log_probs_and_entropy`` (from ``--rlk-vime-root``).
+
+These tests enter at ``compute_linear_logp``, the fork's boundary function, and build the request the
+way the fork's contract describes it: the fork's ``loss.py`` that calls the provider (commit eeda543e)
+is not in the stored copies of the fork this suite was built against, so the request its call site
+builds (and its ``with_entropy`` choice per pass) is not read from code here. With a fork checkout that
+has it, the call site is the place to enter.
 """
 
 from __future__ import annotations

@@ -93,24 +93,27 @@ def test_fallback_is_loud_and_counted(name, vime_loss, reference_arm, caplog):
         assert not reasons and not warned, f"{name}: reasons {reasons} / warnings {warned} but rlk_fallback = 0"
 
 
-def test_per_call_metrics_survive_vime_reduction(vime_loss, reference_arm):
-    """vime sums every logged value over micro-batches and DP ranks and divides by the step's global
-    batch size (loss_function: ``values[0]`` placeholder replaced by ``step_global_batch_size`` in
-    train_one_step). A per-call flag / time must therefore be logged scaled by the micro-batch's
-    sample count to read as the flag / time per call in ``train/*``."""
+def test_per_call_metrics_survive_vime_reduction(vime_loss, vime_root, reference_arm):
+    """vime's train_one_step hands every micro-batch's log dict to ``reduce_train_step_metrics``
+    (observability/train_metric_utils.py, run here from the checkout's own text): the values are summed
+    over micro-batches, all-reduced over the DP x CP group and divided by the step's global batch size
+    (per-rollout mean) or by the summed token count (per-token loss). A per-call flag / time must
+    therefore be logged scaled by the micro-batch's sample count to read as the flag / time per call."""
+    import torch.distributed as dist
+
+    reduce_train_step_metrics = cf.source_function(vime_root, cf.TRAIN_METRIC_UTILS_FILE,
+                                                   "reduce_train_step_metrics", {"dist": dist, "torch": torch})
     args = cf.vime_args(entropy_coef=0.01)  # a configuration the adapter hands to vime: rlk_fallback = 1
     micro_batches = [cf.packed_batch(seed=s) for s in (1, 2)]
     global_batch = sum(len(c.batch["total_lengths"]) for c in micro_batches)
-    summed: dict[str, float] = {}
-    for case in micro_batches:
-        run = cf.run_loss_function(vime_loss, cf.our_custom_loss_args(args), case,
-                                   num_microbatches=len(micro_batches), step_global_batch_size=global_batch)
-        for key, value in run.metrics.items():
-            summed[key] = summed.get(key, 0.0) + value
-    reported = {key: value / global_batch for key, value in summed.items()}
+    logs = [cf.run_loss_function(vime_loss, cf.our_custom_loss_args(args), case, num_microbatches=len(micro_batches),
+                                 step_global_batch_size=global_batch).log for case in micro_batches]
+    reported = reduce_train_step_metrics(logs, calculate_per_token_loss=False, step_global_batch_size=global_batch,
+                                         cp_size=1, dp_with_cp_group=None)
     assert reported.get("rlk_fallback") == pytest.approx(1.0), (
-        f"train/rlk_fallback reads {reported.get('rlk_fallback')} after vime's reduction although every call "
-        f"fell back (it is logged as 1.0 per call, not per sample)")
+        f"train/rlk_fallback reads {reported.get('rlk_fallback')} after vime's reduce_train_step_metrics "
+        f"(sum over {len(logs)} micro-batches / global batch {global_batch}) although every call fell back: "
+        f"it is logged as 1.0 per call, not per sample")
 
 
 def test_native_loss_is_vimes(vime_loss):
