@@ -21,7 +21,7 @@ import pytest
 
 from kernels.integrations import vime as adapter
 from pytest_rlk.e2e import spec as spec_mod
-from pytest_rlk.e2e import vime_engine
+from pytest_rlk.e2e.engines.vime import commands as vime_commands
 from suites.module.vime import conformance as cf
 
 pytestmark = pytest.mark.vime
@@ -37,7 +37,7 @@ def _spec(path):
 def _train_argv(spec, lane, role: str, vime_root) -> list[str]:
     """The arm's ``train.py`` arguments as the e2e planner builds them, then the model script's
     ``MODEL_ARGS`` (the planner's ``bash -c 'source SCRIPT && exec "$@" "${MODEL_ARGS[@]}"'``)."""
-    baseline, kernels_arm = vime_engine.arm_commands(spec, lane, vime_root=str(vime_root))
+    baseline, kernels_arm = vime_commands.arm_commands(spec, lane, vime_root=str(vime_root))
     argv = (baseline if role == "baseline" else kernels_arm).argv
     start = next(i for i, a in enumerate(argv) if a.endswith(("train.py", "train_async.py")))
     script = spec.vime.model_args_script
