@@ -40,7 +40,7 @@ def _train_argv(spec, lane, role: str, vime_root) -> list[str]:
     baseline, kernels_arm = vime_commands.arm_commands(spec, lane, vime_root=str(vime_root))
     argv = (baseline if role == "baseline" else kernels_arm).argv
     start = next(i for i, a in enumerate(argv) if a.endswith(("train.py", "train_async.py")))
-    script = spec.vime.model_args_script
+    script = spec.settings.model_args_script
     return [*argv[start + 1:], *(cf.model_args(vime_root, script) if script else [])]
 
 
@@ -67,7 +67,7 @@ def _arms(path):
 @pytest.mark.parametrize("path", VIME_SPECS, ids=[p.stem for p in VIME_SPECS])
 def test_spec_names_its_vime_commit(path):
     spec = _spec(path)
-    assert spec.vime.commit, f"{spec.case}: vime.commit is not set (the spec must name the vime commit it targets)"
+    assert spec.settings.commit, f"{spec.case}: vime.commit is not set (the spec must name the vime commit it targets)"
 
 
 @pytest.mark.parametrize("path", VIME_SPECS, ids=[p.stem for p in VIME_SPECS])
