@@ -76,18 +76,23 @@ def vime_loss(vime_root, megatron_single_rank):
 
 @pytest.fixture
 def reference_arm(monkeypatch):
-    """Our adapter on its fp32 reference backend, no strict mode (fallbacks must be visible, not raised)."""
+    """Our adapter's own path (kernels on) on the fp32 reference backend, no strict mode (fallbacks must
+    be visible, not raised). With the kernels off the adapter hands every call to vime's loss."""
     import kernels
     from kernels.integrations import vime as adapter
 
-    monkeypatch.setenv("VIME_RL_KERNEL", "0")
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "reference")
+    monkeypatch.delenv("VIME_RL_KERNEL_OPS", raising=False)
     monkeypatch.delenv("VIME_RL_KERNEL_STRICT", raising=False)
     monkeypatch.delenv(adapter.NATIVE_LOSS_ENV, raising=False)
     kernels.reset_fallback_counts()
     adapter.reset_init_decision()
+    adapter.reset_native_fallbacks()
     yield
     kernels.reset_fallback_counts()
     adapter.reset_init_decision()
+    adapter.reset_native_fallbacks()
 
 
 @dataclass

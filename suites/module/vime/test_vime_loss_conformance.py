@@ -57,7 +57,7 @@ def _run_both(vime_loss, name):
 def test_custom_loss_equals_vime_native_loss(name, vime_loss, reference_arm, caplog):
     with caplog.at_level(logging.WARNING, logger=adapter.log.name):
         args, case, native, ours = _run_both(vime_loss, name)
-    fell_back = ours.metrics.get("rlk_fallback") == 1.0
+    fell_back = ours.metrics.get("rlk_fallback", 0.0) > 0.0
     route = "fell back to vime's loss" if fell_back else "claims the configuration"
     tolerances.assert_close(ours.loss, native.loss, "grpo_loss", torch.float32,
                             name=f"{name}: scaled loss (adapter {route}; vime {float(native.loss):.6g}, "
@@ -81,39 +81,53 @@ def test_custom_loss_logs_vime_metric_keys(name, vime_loss, reference_arm):
 
 @pytest.mark.parametrize("name", list(CONFIGURATIONS), ids=list(CONFIGURATIONS))
 def test_fallback_is_loud_and_counted(name, vime_loss, reference_arm, caplog):
-    """A call the adapter hands to vime's loss logs one WARNING naming the reason and rlk_fallback = 1."""
+    """A configuration the adapter hands to vime's loss logs ONE WARNING naming the reason (not one per
+    call), is counted per call (``native_fallbacks``) and flagged in ``rlk_fallback``."""
     with caplog.at_level(logging.WARNING, logger=adapter.log.name):
-        args, _, _, ours = _run_both(vime_loss, name)
+        args, case, _, ours = _run_both(vime_loss, name)
+        again = cf.run_loss_function(vime_loss, cf.our_custom_loss_args(args), case)
     reasons = adapter.unsupported_reasons(args)
     warned = [r.getMessage() for r in caplog.records if "falls back to vime's native loss" in r.getMessage()]
-    if ours.metrics.get("rlk_fallback") == 1.0:
-        assert warned, f"{name}: rlk_fallback = 1 but no fallback WARNING was logged"
-        assert reasons, f"{name}: the adapter fell back without a reason from unsupported_reasons()"
+    flags = [run.metrics.get("rlk_fallback", 0.0) > 0.0 for run in (ours, again)]
+    if reasons:
+        assert flags == [True, True], f"{name}: unsupported ({reasons}) but rlk_fallback is not set on every call"
+        assert len(warned) == 1 and all(r in warned[0] for r in reasons), (
+            f"{name}: expected one WARNING naming {reasons}, got {warned}")
+        assert adapter.native_fallbacks() == {"; ".join(reasons): 2}, adapter.native_fallbacks()
     else:
-        assert not reasons and not warned, f"{name}: reasons {reasons} / warnings {warned} but rlk_fallback = 0"
+        assert flags == [False, False] and not warned and not adapter.native_fallbacks(), (
+            f"{name}: the adapter claims the configuration but fell back (warnings {warned})")
 
 
-def test_per_call_metrics_survive_vime_reduction(vime_loss, vime_root, reference_arm):
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+@pytest.mark.parametrize("name", ["grpo-lowvarkl", "entropy-bonus"], ids=["kernels-path", "fell-back"])
+def test_per_call_metrics_survive_vime_reduction(name, per_token, vime_loss, vime_root, reference_arm):
     """vime's train_one_step hands every micro-batch's log dict to ``reduce_train_step_metrics``
     (observability/train_metric_utils.py, run here from the checkout's own text): the values are summed
     over micro-batches, all-reduced over the DP x CP group and divided by the step's global batch size
-    (per-rollout mean) or by the summed token count (per-token loss). A per-call flag / time must
-    therefore be logged scaled by the micro-batch's sample count to read as the flag / time per call."""
+    (per-sample means) or by the summed token count (per-token loss). The adapter's per-call flag,
+    backend marker and stage times must read as the per-call values after it."""
     import torch.distributed as dist
 
     reduce_train_step_metrics = cf.source_function(vime_root, cf.TRAIN_METRIC_UTILS_FILE,
                                                    "reduce_train_step_metrics", {"dist": dist, "torch": torch})
-    args = cf.vime_args(entropy_coef=0.01)  # a configuration the adapter hands to vime: rlk_fallback = 1
-    micro_batches = [cf.packed_batch(seed=s) for s in (1, 2)]
+    overrides, _ = CONFIGURATIONS[name]
+    args = cf.our_custom_loss_args(cf.vime_args(**overrides, calculate_per_token_loss=per_token))
+    micro_batches = [cf.packed_batch(seed=s, response_lengths=lengths)
+                     for s, lengths in ((1, (7, 9, 4, 6)), (2, (3, 12, 5, 8)))]
     global_batch = sum(len(c.batch["total_lengths"]) for c in micro_batches)
-    logs = [cf.run_loss_function(vime_loss, cf.our_custom_loss_args(args), case, num_microbatches=len(micro_batches),
+    logs = [cf.run_loss_function(vime_loss, args, case, num_microbatches=len(micro_batches),
                                  step_global_batch_size=global_batch).log for case in micro_batches]
-    reported = reduce_train_step_metrics(logs, calculate_per_token_loss=False, step_global_batch_size=global_batch,
+    reported = reduce_train_step_metrics(logs, calculate_per_token_loss=per_token, step_global_batch_size=global_batch,
                                          cp_size=1, dp_with_cp_group=None)
-    assert reported.get("rlk_fallback") == pytest.approx(1.0), (
-        f"train/rlk_fallback reads {reported.get('rlk_fallback')} after vime's reduce_train_step_metrics "
-        f"(sum over {len(logs)} micro-batches / global batch {global_batch}) although every call fell back: "
-        f"it is logged as 1.0 per call, not per sample")
+    fell_back = bool(adapter.unsupported_reasons(args))
+    backend_keys = [k for k in reported if k.startswith(adapter.BACKEND_METRIC_PREFIX)]
+    assert reported["rlk_fallback"] == pytest.approx(float(fell_back)), (
+        f"train/rlk_fallback reads {reported['rlk_fallback']} after vime's reduce_train_step_metrics over "
+        f"{len(logs)} micro-batches (global batch {global_batch}); every call {'fell back' if fell_back else 'ran'}")
+    assert len(backend_keys) == 1 and reported[backend_keys[0]] == pytest.approx(1.0), {k: reported[k] for k in backend_keys}
+    assert set(adapter.STAGE_METRICS) <= set(reported)
+    assert reported["rlk_loss_ms"] > 0.0
 
 
 def test_native_loss_is_vimes(vime_loss):
