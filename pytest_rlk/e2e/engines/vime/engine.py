@@ -80,7 +80,7 @@ class VimeEngine:
         "own R3: the comparison shows compatibility with R3, not a replacement of it."
     )
     options = (
-        EngineOption("--vime-root", "vime checkout (the fork, for the kernel switches): required to run; a plan "
+        EngineOption("--vime-root", "vime checkout at the spec's pinned commit: required to run; a plan "
                      "shows ${VIME_ROOT} without it"),
         EngineOption("--mode", "ray: own Ray head + ray job submit (default); local: plain subprocess",
                      default="ray", choices=("ray", "local")),
