@@ -30,9 +30,11 @@ descriptors; each tile is a ``tl.dot`` over H with fp32 accumulation, scaled to 
 tile's row max and sum of exp2(z - max) go to a ``[n_vocab_tiles, T]`` fp32 buffer; for the tiles
 of the kept columns it also stores q = exp(z - tile row max) (in (0, 1]; fp16 for 16-bit inputs,
 three mantissa bits more than bf16) through a TMA store. The logits tile itself never leaves
-registers and is never rounded. ``_merge_partials_kernel`` folds the partials into the row lse; the
-target logit is a separate fp32 row dot product (``_target_logit_kernel``, T x H work), which keeps
-the compare/select of the target column out of the tiles' epilogue.
+registers and is never rounded. The tile that holds a row's target writes its logit (the
+compare/select runs only in tiles that hold some row's target); taking it from the same z as the
+lse makes a dominant target's log-prob cancel exactly (a separate fp32 dot product of the target
+row measured 1.3e-4 off on peaked logits: the tensor cores' fp32 accumulation and IEEE fp32 round
+differently at |z| ~ 20). ``_merge_partials_kernel`` folds the partials into the row lse.
 
 Backward: the kept columns [0, saved) first: ``_saved_dlogits_kernel`` turns q into dlogits in place
 (p = q * exp(tile max - lse); dlogits = g * (onehot - p) / temperature, rounded once to the input
@@ -230,10 +232,11 @@ TMA_FLATTEN = True
 TMA_WARP_SPECIALIZE = False
 # Stores of the kept logits (forward) / the dlogits tiles (backward): TMA (through a descriptor) or
 # masked pointer stores. Measured on an H100 (bf16, issue shape): the forward that keeps a chunk
-# 7.12 ms with TMA stores vs 7.54 ms with pointer stores; the dlogits chunk kernel no faster with TMA
-# stores (0.85 vs 0.83 ms).
+# 7.12 ms with TMA stores vs 7.54 ms with pointer stores. The dlogits tile's pointer stores take a
+# 64-bit address per element: with the one-FMA epilogue ptxas reports 1240 bytes of spills for them
+# and none for the TMA store (6008 vs 1520 SASS instructions in the kernel, Triton 3.6, sm_90a).
 TMA_STORE_Q = True
-TMA_STORE_DLOGITS = False
+TMA_STORE_DLOGITS = True
 # Token tiles per group in the tile order (>= n_t: token tile fastest over all T, the default).
 # RLK_LINEAR_LOGP_GROUP_T overrides it.
 TMA_GROUP_T = 1 << 30
@@ -398,7 +401,7 @@ def _logits_tile(
 
 @triton.jit
 def _fwd_tile_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, tile_max_ptr, tile_sumexp_ptr, q_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr, tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, q_ptr,
     T, H, col_start, n_cols,
     stride_ht, stride_wv, stride_qt, inv_temperature,
     HAS_BIAS: tl.constexpr, STORE_Q: tl.constexpr,
@@ -424,6 +427,11 @@ def _fwd_tile_kernel(
     tile_row = col_start // BLOCK_V + pid_v
     tl.store(tile_max_ptr + tile_row * T + offs_t, row_max, mask=mask_t)
     tl.store(tile_sumexp_ptr + tile_row * T + offs_t, row_sumexp, mask=mask_t)
+    # Local id of the target (out of range on other shards / ignored rows): only the owner stores.
+    local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
+    target = tl.sum(tl.where(offs_v[None, :] == local_id[:, None], z, 0.0), axis=1)
+    owns = mask_t & (local_id >= col_start + pid_v * BLOCK_V) & (local_id < col_start + pid_v * BLOCK_V + BLOCK_V) & (local_id < end)
+    tl.store(target_logit_ptr + offs_t, target, mask=owns)
     if STORE_Q:
         q_ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_v[None, :]
         tl.store(q_ptrs, e.to(q_ptr.dtype.element_ty), mask=mask_t[:, None] & (offs_v < end)[None, :])
@@ -459,8 +467,8 @@ def _dlogits_kernel(
 
 @triton.jit
 def _tma_tiles_kernel(
-    h_desc, w_desc, out_desc, bias_ptr, lse_ptr, coef_ptr,
-    tile_max_ptr, tile_sumexp_ptr, out_ptr,
+    h_desc, w_desc, out_desc, bias_ptr, local_ids_ptr, lse_ptr, coef_ptr,
+    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, out_ptr,
     T, H, col_start, n_cols, stride_ot, scale2, group_t,
     DLOGITS: tl.constexpr, STORE_Q: tl.constexpr, TMA_STORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -473,7 +481,8 @@ def _tma_tiles_kernel(
     in base-2 units: z2 = acc * scale2 (+ bias * scale2), scale2 = log2(e) / temperature.
 
     DLOGITS = False (forward): per-tile row max (natural units) and sum of exp2(z2 - max2) into rows
-    col_start / BLOCK_V + pid_v of the [n_vocab_tiles, T] partials; with STORE_Q also every tile's
+    col_start / BLOCK_V + pid_v of the [n_vocab_tiles, T] partials, the target logit where the tile
+    holds it (``local_ids`` - col_start: column; rows of other shards / ignored rows: none); with STORE_Q also every tile's
     q = exp(z - tile row max) into ``out`` (the kept block, column c = vocab column c; a launch
     stores all its tiles or none: a branch on the tile in the flattened loop does not compile in
     Triton 3.6, so the forward runs the kept columns and the rest as two launches). DLOGITS = True
@@ -525,6 +534,14 @@ def _tma_tiles_kernel(
                 col2 = tl.where(mask_c, 0.0, float("-inf"))
             z2 = acc * scale2 + col2[None, :]
             row_max2 = tl.max(z2, axis=1)  # finite: every tile holds a real column
+            # The target logit from this tile's own z, so that a dominant target's logit and the
+            # lse share its rounding (logp = t - lse cancels exactly there); the select runs only
+            # in the tiles that hold some row's target (~1 in 5 at 128 x 256 tiles).
+            target_col = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1) - (col_start + off_c)
+            owns = mask_t & (target_col >= 0) & (target_col < BLOCK_V) & (target_col < n_cols - off_c)
+            if tl.max(owns.to(tl.int32), axis=0) > 0:
+                target2 = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], z2, 0.0), axis=1)
+                tl.store(target_logit_ptr + offs_t, target2 * LN2, mask=owns)
             e = tl.exp2(z2 - row_max2[:, None])
             row_sumexp = tl.sum(e, axis=1)
             if STORE_Q:
@@ -561,31 +578,6 @@ def _merge_partials_kernel(
         m = new_m
     tl.store(row_max_ptr + offs_t, m, mask=mask_t)
     tl.store(sumexp_ptr + offs_t, s, mask=mask_t)
-
-
-@triton.jit
-def _target_logit_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr, out_ptr,
-    T, V_local, H, stride_ht, stride_wv, inv_temperature,
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[t] = (hidden[t] . weight[id_t] + bias[id_t]) / temperature in fp32 (products of 16-bit
-    inputs are exact in fp32); 0 where this shard does not own the target (or the row is ignored)."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
-    owns = mask_t & (local_id >= 0) & (local_id < V_local)
-    rows_w = tl.where(owns, local_id, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        mask = owns[:, None] & ((k + offs_k) < H)[None, :]
-        h = tl.load(hidden_ptr + offs_t.to(tl.int64)[:, None] * stride_ht + (k + offs_k)[None, :], mask=mask, other=0.0)
-        w = tl.load(weight_ptr + rows_w[:, None] * stride_wv + (k + offs_k)[None, :], mask=mask, other=0.0)
-        acc += tl.sum(h.to(tl.float32) * w.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_w, mask=owns, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_t, tl.where(owns, acc * inv_temperature, 0.0), mask=mask_t)
 
 
 @triton.jit
@@ -715,22 +707,10 @@ def _row_grid(T: int) -> tuple[int, int]:
     return block_t, triton.cdiv(T, block_t)
 
 
-def _target_logits(hidden, weight, bias, local_ids, inv_temperature) -> torch.Tensor:
-    T, H = hidden.shape
-    out = torch.empty(T, dtype=torch.float32, device=hidden.device)
-    block_t, grid = _row_grid(T)
-    _target_logit_kernel[(grid,)](
-        hidden, weight, bias if bias is not None else hidden, local_ids, out,
-        T, weight.shape[0], H, hidden.stride(0), weight.stride(0), inv_temperature,
-        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_K=32 if INTERPRETED else 128, num_warps=4,
-    )
-    return out
-
-
-def _launch_tiles(hidden, weight, bias, inv_temperature, *, col_start, n_cols, partials=None, q=None,
+def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start, n_cols, partials=None, q=None,
                   dlogits=None, lse=None, coef=None):
     """Runs the logits-tile work over columns [col_start, col_start + n_cols) (col_start a multiple of
-    the tile's BLOCK_V): the forward partials (``partials`` = (tile_max, tile_sumexp)), with ``q``
+    the tile's BLOCK_V): the forward partials (``partials`` = (tile_max, tile_sumexp, target_logit)), with ``q``
     ([T, >= col_start + n_cols], the kept block) also every column's exp(z - tile row max); or the
     chunk's coef * softmax (``dlogits``, [T, >= n_cols])."""
     T, H = hidden.shape
@@ -740,8 +720,8 @@ def _launch_tiles(hidden, weight, bias, inv_temperature, *, col_start, n_cols, p
     store_q = q is not None
     precision, upcast = _input_precision(hidden.dtype), _upcast_operands(hidden.dtype)
     is_dlogits = dlogits is not None
+    tile_max, tile_sumexp, target_logit = partials if partials is not None else (hidden, hidden, None)
     if _use_tma(hidden, weight):
-        tile_max, tile_sumexp = partials if partials is not None else (hidden, hidden)
         out = dlogits if is_dlogits else q
         n_tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(n_cols, cfg.block_v)
         programs = min(n_tiles, _num_programs(hidden.device))
@@ -751,8 +731,8 @@ def _launch_tiles(hidden, weight, bias, inv_temperature, *, col_start, n_cols, p
                                      [cfg.block_t, cfg.block_v]) if tma_store else h_desc)
         _tma_tiles_kernel[(programs,)](
             h_desc, TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k]), out_desc,
-            bias_arg, lse if is_dlogits else hidden, coef if is_dlogits else hidden,
-            tile_max, tile_sumexp, out if out is not None else hidden,
+            bias_arg, local_ids, lse if is_dlogits else hidden, coef if is_dlogits else hidden,
+            tile_max, tile_sumexp, target_logit if target_logit is not None else hidden, out if out is not None else hidden,
             T, H, col_start, n_cols, out.stride(0) if out is not None else 0, inv_temperature * math.log2(math.e),
             min(_tma_group_t(), triton.cdiv(T, cfg.block_t)),
             DLOGITS=is_dlogits, STORE_Q=store_q, TMA_STORE=tma_store,
@@ -767,10 +747,9 @@ def _launch_tiles(hidden, weight, bias, inv_temperature, *, col_start, n_cols, p
               "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(n_cols, cfg.block_v))
     if not is_dlogits:
-        tile_max, tile_sumexp = partials
         q_arg = q if store_q else hidden
         _fwd_tile_kernel[grid](
-            hidden, weight, bias_arg, tile_max, tile_sumexp, q_arg, T, H, col_start, n_cols,
+            hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit, q_arg, T, H, col_start, n_cols,
             hidden.stride(0), weight.stride(0), q_arg.stride(0), inv_temperature, STORE_Q=store_q, **common,
         )
     else:
@@ -802,18 +781,18 @@ def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, plan=No
     n_v = triton.cdiv(V_local, cfg.block_v)
     tile_max = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     tile_sumexp = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
-    target_logit = _target_logits(hidden, weight, bias, local_ids, inv_temperature)
+    target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)  # written by the owning tile
     saved = None
     if plan is not None and plan.saved_cols > 0:
         buffer = torch.empty((T, plan.buffer_cols), dtype=hidden.dtype, device=hidden.device)
         saved = _SavedLogits(buffer=buffer, tile_max=tile_max, cols=plan.saved_cols, block_v=cfg.block_v)
     kept = 0 if saved is None else saved.cols  # a multiple of block_v, or V_local
     if kept:
-        _launch_tiles(hidden, weight, bias, inv_temperature, col_start=0, n_cols=kept, partials=(tile_max, tile_sumexp),
-                      q=saved.buffer.view(_saved_dtype(hidden.dtype)))
+        _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=0, n_cols=kept,
+                      partials=(tile_max, tile_sumexp, target_logit), q=saved.buffer.view(_saved_dtype(hidden.dtype)))
     if kept < V_local:
-        _launch_tiles(hidden, weight, bias, inv_temperature, col_start=kept, n_cols=V_local - kept,
-                      partials=(tile_max, tile_sumexp))
+        _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=kept, n_cols=V_local - kept,
+                      partials=(tile_max, tile_sumexp, target_logit))
     row_max = torch.empty(T, dtype=torch.float32, device=hidden.device)
     sumexp = torch.empty(T, dtype=torch.float32, device=hidden.device)
     block_t, grid = _row_grid(T)
@@ -896,7 +875,7 @@ def _backward(hidden, weight, bias, local_ids, lse, grad_rows, target_logit, inv
     for index, (start, cols, d_piece) in enumerate(pieces):
         if d_piece is None:  # recompute this chunk's softmax into the buffer
             d_piece = chunk_view[:, :cols]
-            _launch_tiles(hidden, weight, bias, inv_temperature, col_start=start, n_cols=cols,
+            _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
                           dlogits=d_piece, lse=lse, coef=coef)
             block_t, grid = _row_grid(T)
             _target_column_kernel[(grid,)](d_piece, local_ids, target_logit, lse, coef, T, start, cols,
