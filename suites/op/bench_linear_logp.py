@@ -18,13 +18,15 @@ flushed, median); memory: ``peak_extra_memory`` minus the gradients the call ret
 Speed is recorded, never asserted here: the goals (issue 19: forward at least as fast as the
 fastest peer's, forward+backward <= 26 ms at the default budget and <= 21 ms at the logits' size on
 an H200) are read from the artifacts and gated by baselines. Asserted: logp within 1e-4 of the
-fp32-upcast reference and gradients within 2e-2 (max |err| / max |ref|) of it cast to bf16; the dH
-and dW relative errors (||err|| / ||ref||) no larger than eager bf16's; the measured workspace within
-each budget.
+fp32-upcast reference, or within twice the error of the tensor cores' own fp32-accumulated products
+where those miss 1e-4 (peaked logits); gradients within 2e-2 (max |err| / max |ref|) of it cast to
+bf16; the dH and dW relative errors (||err|| / ||ref||) no larger than eager bf16's; the measured
+workspace within each budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import statistics
@@ -133,8 +135,11 @@ def _inputs(logits: str):
 
 
 def _reference(hidden, weight, ids, upstream):
-    """fp32-upcast reference logp, dH, dW (rows are independent: 1024 at a time) and the logits' std."""
+    """fp32-upcast reference logp, dH, dW (rows are independent: 1024 at a time), the logits' std,
+    and the log-probs from the tensor cores' own fp32-accumulated products (cuBLAS, fp32 output, then
+    an fp32 log-softmax): the most accurate any bf16 tensor-core product gives."""
     ref_logp = torch.empty(T, device="cuda")
+    tc_logp = torch.empty(T, device="cuda")
     ref_dh = torch.empty(T, H, device="cuda")
     ref_dw = torch.zeros(V, H, device="cuda")
     w = weight.detach().float().requires_grad_()
@@ -149,7 +154,10 @@ def _reference(hidden, weight, ids, upstream):
         ref_logp[rows], ref_dh[rows] = logp.detach(), dh
         ref_dw += dw
         del logits, dw
-    return ref_logp, ref_dh, ref_dw, sum(stds) / len(stds)
+        tc = torch.mm(hidden[rows].detach(), weight.detach().t(), out_dtype=torch.float32)
+        tc_logp[rows] = tc.log_softmax(-1).gather(-1, ids[rows, None]).squeeze(-1)
+        del tc
+    return ref_logp, tc_logp, ref_dh, ref_dw, sum(stds) / len(stds)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -161,8 +169,15 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, logits):
     hidden, weight, ids, upstream = _inputs(logits)
     rlk_metrics.set_case(_case(logits) + "-accuracy")
-    ref_logp, ref_dh, ref_dw, logits_std = _reference(hidden, weight, ids, upstream)
+    ref_logp, tc_logp, ref_dh, ref_dw, logits_std = _reference(hidden, weight, ids, upstream)
     rlk_metrics.record("logits_std", logits_std, direction="two_sided", space="ratio", gate=False)
+    tc_err = (tc_logp - ref_logp).abs().max().item()
+    rlk_metrics.record("tensor_core_logp_max_abs_err", tc_err, direction="lower_is_better", space="logprob", gate=False)
+    # The tensor cores accumulate bf16 products in fp32 with their own rounding: ~5e-6 of |z| over
+    # H = 4096 (1.3e-4 at the peaked case's lse ~ 20, above the 1e-4 tolerance). The logp check is
+    # the tolerance, or, where the hardware's own products miss it, twice their error.
+    logp_tol = tolerances.get("linear_logp", torch.bfloat16)
+    logp_bound = max(logp_tol.atol, 2 * tc_err)
     eager_logp = _eager(hidden, weight, ids)
     eager_dh, eager_dw = torch.autograd.grad(eager_logp, (hidden, weight), upstream)
     eager_err = {"hidden": _rel_err(eager_dh, ref_dh), "weight": _rel_err(eager_dw, ref_dw)}
@@ -177,7 +192,7 @@ def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, logits):
         ours = _ours(budget)
         logp = ours(hidden, weight, ids)
         dh, dw = torch.autograd.grad(logp, (hidden, weight), upstream)
-        checks = {"logp": tolerances.closeness(logp, ref_logp, tolerances.get("linear_logp", torch.bfloat16))}
+        checks = {"logp": tolerances.closeness(logp, ref_logp, dataclasses.replace(logp_tol, atol=logp_bound))}
         for name, got, want in (("hidden", dh, ref_dh), ("weight", dw, ref_dw)):
             want_cast = want.to(torch.bfloat16).float()
             checks[f"grad_{name}"] = tolerances.closeness(got, want_cast, grad_tol)
@@ -204,7 +219,8 @@ def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, logits):
             failed[f"{variant} workspace"] = f"{workspace / 1e6:.1f} MB > budget {budget / 1e6:.1f} MB"
     for name, err in eager_err.items():
         rlk_metrics.record(f"eager_grad_{name}_norm_rel_err", err, direction="lower_is_better", space="error", gate=False)
-    assert not failed, f"linear_logp, bf16, {logits} logits, vs the fp32-upcast reference and eager bf16: {failed}"
+    assert not failed, (f"linear_logp, bf16, {logits} logits, vs the fp32-upcast reference (logp bound {logp_bound:.2e}: "
+                        f"tolerance {logp_tol.atol:.0e}, tensor-core products {tc_err:.2e}) and eager bf16: {failed}")
 
 
 @pytest.mark.bench
