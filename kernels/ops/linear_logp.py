@@ -20,7 +20,7 @@ TP ranks (Megatron's ColumnParallelLinear input region does the same all-reduce 
 Matrix products (each 2*T*H*V flops): the forward's logits, and in the backward dH = dlogits @ W and
 dW = dlogits^T @ H, plus a recompute of the logits for every vocab column whose logits the forward
 did not keep. How many it keeps is set by the workspace budget (``workspace_bytes``, below): with a
-budget of the logits' size (T * V * 2 bytes for 16-bit inputs, plus ~1%) it keeps them all and
+budget of the logits' size (T * V * 2 bytes for 16-bit inputs) plus ~2% it keeps them all and
 forward+backward is three products; at the default 256 MB it keeps ~15% of them (issue shape).
 
 Forward (``_tma_tiles_kernel`` on Hopper+, bf16/fp16): a persistent kernel (one program per SM)
@@ -29,12 +29,12 @@ descriptors; each tile is a ``tl.dot`` over H with fp32 accumulation, scaled to 
 (z * log2(e)) in one multiply-add that also applies the bias and -inf past the vocab's end. The
 tile's row max and sum of exp2(z - max) go to a ``[n_vocab_tiles, T]`` fp32 buffer; for the tiles
 of the kept columns it also stores q = exp(z - tile row max) (in (0, 1]; fp16 for 16-bit inputs,
-three mantissa bits more than bf16) through a TMA store. The logits tile itself never leaves
-registers and is never rounded. The tile that holds a row's target writes its logit (the
-compare/select runs only in tiles that hold some row's target); taking it from the same z as the
-lse makes a dominant target's log-prob cancel exactly (a separate fp32 dot product of the target
-row measured 1.3e-4 off on peaked logits: the tensor cores' fp32 accumulation and IEEE fp32 round
-differently at |z| ~ 20). ``_merge_partials_kernel`` folds the partials into the row lse.
+three mantissa bits more than bf16) through a TMA store. The fp32 logits tile never leaves
+registers. The tile that holds a row's target writes its logit (the compare/select runs only in
+tiles that hold some row's target): taken from the same z as the lse, a dominant target's rounding
+cancels in logp = z_t - lse (the tensor cores add the bf16 products into fp32 with their own
+rounding, ~5e-6 of |z| at H = 4096; an IEEE fp32 dot product of the target row would not cancel it).
+``_merge_partials_kernel`` folds the partials into the row lse.
 
 Backward: the kept columns [0, saved) first: ``_saved_dlogits_kernel`` turns q into dlogits in place
 (p = q * exp(tile max - lse); dlogits = g * (onehot - p) / temperature, rounded once to the input
