@@ -6,7 +6,7 @@ Shapes and dtypes
     hidden      [T, H]        float32 | bfloat16 | float16
     weight      [V_local, H]  same dtype as hidden (the LM head, or this rank's vocab shard)
     target_ids  [T]           int64 | int32, *global* vocab ids; ``-100`` (ignore_index) rows give
-                              logp 0 and gradient 0 (kernels/validation.py policy)
+                              logp 0 and gradient 0 (kernels/contracts/checks.py policy)
     bias        [V_local]     optional, same dtype as hidden
     returns     [T]           float32, autograd to hidden, weight and bias
 
@@ -61,7 +61,7 @@ The pointer kernels ``_fwd_tile_kernel`` / ``_dlogits_kernel`` (one program per 
 natural-log units) serve fp32 inputs, the CPU interpreter, pre-Hopper GPUs, unaligned operands and
 ``RLK_LINEAR_LOGP_TMA=0``.
 
-GPU tuning knobs (environment, read at each call; defaults are the configs below):
+GPU tuning knobs (settings, kernels/settings.py, read at each call; defaults are the configs below):
 ``RLK_LINEAR_LOGP_TILES`` / ``RLK_LINEAR_LOGP_MATMUL_TILES`` = "BLOCK_T,BLOCK_V,BLOCK_K,warps,stages"
 for the logits-tile kernels (TMA or pointer) / our backward matmul; ``RLK_LINEAR_LOGP_TMA=0`` uses
 the pointer kernels on Hopper too; ``RLK_LINEAR_LOGP_BWD_MATMUL=triton|torch`` picks the backward's
@@ -73,7 +73,6 @@ recomputes every column; the budget then sizes the recompute chunk only).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -85,17 +84,15 @@ try:  # host-side TMA descriptors (Triton >= 3.4); without them the pointer kern
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from kernels import validation
+from kernels import settings
+from kernels.contracts import IGNORE_INDEX, LinearLogpCall, entry_point
+from kernels.contracts.linear_logp import check_workspace_bytes
 from kernels.ops import INTERPRETED  # fixed at first import, like triton.jit's choice
 
-HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-# ==============================================================================================
-# Setting: the workspace budget (kernels/settings.py is to own it; nothing else reads it)
-#   RLK_LINEAR_LOGP_WORKSPACE_BYTES   positive int, bytes; used when linear_logp(workspace_bytes=None)
-# ==============================================================================================
-WORKSPACE_ENV = "RLK_LINEAR_LOGP_WORKSPACE_BYTES"
+# The workspace budget: ``workspace_bytes`` (the call's argument), else the setting
+# RLK_LINEAR_LOGP_WORKSPACE_BYTES (kernels/settings.py), else this default.
 DEFAULT_WORKSPACE_BYTES = 256 * 10**6
+WORKSPACE_ENV = settings.LINEAR_LOGP_WORKSPACE_BYTES.name
 # The default budget never makes recompute chunks thinner than this many columns (cuBLAS and the tile
 # kernel lose speed on thin chunks); an explicit budget is honoured down to one vocab tile.
 MIN_DEFAULT_CHUNK_COLS = 4096
@@ -104,48 +101,17 @@ MIN_DEFAULT_CHUNK_COLS = 4096
 def _workspace_budget(workspace_bytes: int | None) -> tuple[int, bool]:
     """(budget in bytes, whether the caller chose it): the argument, else the setting, else the default."""
     if workspace_bytes is not None:
-        if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
-            raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
-        return workspace_bytes, True
-    raw = os.environ.get(WORKSPACE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_WORKSPACE_BYTES, False
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"{WORKSPACE_ENV}={raw!r}: expected a positive int (bytes)")
-    return int(raw), True
+        return check_workspace_bytes(workspace_bytes), True
+    budget = settings.LINEAR_LOGP_WORKSPACE_BYTES.get()
+    return (DEFAULT_WORKSPACE_BYTES, False) if budget is None else (budget, True)
 
 
-@dataclass(frozen=True)
-class _TileConfig:
-    block_t: int
-    block_v: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-TILES_ENV = "RLK_LINEAR_LOGP_TILES"  # forward + dlogits kernels
-MATMUL_TILES_ENV = "RLK_LINEAR_LOGP_MATMUL_TILES"  # backward dH / dW matmuls
-
-
-def _tiles_from_env(name: str) -> _TileConfig | None:
-    """Optional GPU tuning knob: "BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages" (powers of two >= 16
-    for the blocks). Compiled kernels only; the interpreter keeps its small tiles."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    parts = [p.strip() for p in raw.split(",")]
-    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"{name}={raw!r}: expected 'BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages' (positive ints)")
-    cfg = _TileConfig(*(int(p) for p in parts))
-    for block in (cfg.block_t, cfg.block_v, cfg.block_k):
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"{name}={raw!r}: block sizes must be powers of two >= 16")
-    return cfg
-
-
-BWD_MATMUL_ENV = "RLK_LINEAR_LOGP_BWD_MATMUL"
-BWD_MATMULS = ("triton", "torch")
+# Tile sizes and launch options; RLK_LINEAR_LOGP_TILES / RLK_LINEAR_LOGP_MATMUL_TILES override the
+# built-in ones on compiled kernels (the interpreter keeps its small tiles).
+_TileConfig = settings.TileConfig
+TILES_ENV = settings.LINEAR_LOGP_TILES.name  # forward + dlogits kernels
+MATMUL_TILES_ENV = settings.LINEAR_LOGP_MATMUL_TILES.name  # backward dH / dW matmuls
+BWD_MATMUL_ENV = settings.LINEAR_LOGP_BWD_MATMUL.name
 
 
 def _bwd_matmul() -> str:
@@ -154,10 +120,7 @@ def _bwd_matmul() -> str:
     dH32 += dlogits @ W is one ``addmm`` with an fp32 output (``out_dtype=torch.float32``), so a
     chunk's product is never rounded to bf16 before the sum.
     ``triton``: our pointer-based matmul kernel, the same fp32 accumulation (slower on H100)."""
-    value = os.environ.get(BWD_MATMUL_ENV, "").strip() or "torch"
-    if value not in BWD_MATMULS:
-        raise ValueError(f"{BWD_MATMUL_ENV}={value!r}: expected one of {BWD_MATMULS}")
-    return value
+    return settings.LINEAR_LOGP_BWD_MATMUL.get()
 
 
 def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileConfig:
@@ -166,7 +129,7 @@ def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileCo
         # The interpreter runs each program in Python: few, small programs keep CPU CI fast while
         # still exercising partial tiles (odd V, T not a multiple of the tile).
         return _TileConfig(block_t=32, block_v=64, block_k=32, num_warps=4, num_stages=1)
-    override = _tiles_from_env(TILES_ENV)
+    override = settings.LINEAR_LOGP_TILES.get()
     if override is not None:
         return override
     if dtype == torch.float32:
@@ -179,7 +142,7 @@ def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileCo
 def _matmul_config(dtype: torch.dtype) -> _TileConfig:
     if INTERPRETED:
         return _TileConfig(block_t=32, block_v=32, block_k=32, num_warps=4, num_stages=1)
-    override = _tiles_from_env(MATMUL_TILES_ENV)
+    override = settings.LINEAR_LOGP_MATMUL_TILES.get()
     if override is not None:
         return override
     if dtype == torch.float32:
@@ -207,24 +170,16 @@ def _saved_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float32 else torch.float16
 
 
-SAVE_LOGITS_ENV = "RLK_LINEAR_LOGP_SAVE_LOGITS"  # "0": the forward keeps nothing, the backward recomputes all
-SAVE_LOGITS = True
-
-
-def _flag_from_env(name: str, default: bool, on: str = "1", off: str = "0") -> bool:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if raw not in (on, off):
-        raise ValueError(f"{name}={raw!r}: expected {on!r} or {off!r}")
-    return raw == on
+SAVE_LOGITS_ENV = settings.LINEAR_LOGP_SAVE_LOGITS.name  # "0": the forward keeps nothing
 
 
 def _save_logits() -> bool:
-    return _flag_from_env(SAVE_LOGITS_ENV, SAVE_LOGITS)
+    """Whether the forward, when a backward will follow, keeps the logits (as q) the budget has room
+    for, so the backward recomputes only the rest (default on)."""
+    return settings.LINEAR_LOGP_SAVE_LOGITS.get()
 
 
-TMA_ENV = "RLK_LINEAR_LOGP_TMA"
+TMA_ENV = settings.LINEAR_LOGP_TMA.name
 # Persistent TMA kernel options (module attributes, for probes). Measured on an H100 (bf16, issue
 # shape, Triton 3.6): flattening the tile and K loops into one pipeline 7.6 ms vs 8.2 ms without;
 # Triton's automatic warp specialization 7.7 ms (kept off); num_ctas=2 does not compile.
@@ -242,23 +197,19 @@ TMA_STORE_DLOGITS = True
 TMA_GROUP_T = 1 << 30
 # Tests run the TMA kernel through the CPU interpreter by setting this (host descriptors work there).
 TMA_IN_INTERPRETER = False
-GROUP_T_ENV = "RLK_LINEAR_LOGP_GROUP_T"  # overrides TMA_GROUP_T
+GROUP_T_ENV = settings.LINEAR_LOGP_GROUP_T.name  # overrides TMA_GROUP_T
 
 
 def _tma_group_t() -> int:
-    raw = os.environ.get(GROUP_T_ENV, "").strip()
-    if not raw:
-        return TMA_GROUP_T
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"{GROUP_T_ENV}={raw!r}: expected a positive int (token tiles per group)")
-    return int(raw)
+    group_t = settings.LINEAR_LOGP_GROUP_T.get()
+    return TMA_GROUP_T if group_t is None else group_t
 
 
 def _use_tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """The persistent TMA kernel serves bf16/fp16 on Hopper or newer (fp32 stays on the pointer
     kernels: IEEE fp32 products do not run on the tensor cores anyway); RLK_LINEAR_LOGP_TMA=0 turns it
     off. TMA needs 16-byte aligned base pointers and row strides."""
-    if TensorDescriptor is None or os.environ.get(TMA_ENV, "").strip() == "0":
+    if TensorDescriptor is None or not settings.LINEAR_LOGP_TMA.get():
         return False
     aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
                   for t in (hidden, weight))
@@ -331,12 +282,11 @@ def _plan(T: int, H: int, V: int, dtype: torch.dtype, budget: int, *, explicit: 
     cols = min(widest, max(0, budget - cost(0, 0, True)) // (T * element) // block_v * block_v)
     while cols >= block_v and cost(min(cols, V) if save else 0, cols, True) > budget:
         cols -= block_v
-    if cols < block_v:
-        if explicit:
-            need = cost(min(block_v, V) if save else 0, block_v, True)
-            raise ValueError(
-                f"workspace_bytes={budget} is below the {need} bytes linear_logp needs at T={T}, H={H}, "
-                f"V_local={V} ({dtype}): an fp32 [T, H] dH accumulator and a chunk of {block_v} vocab columns")
+    if cols < block_v and explicit:
+        need = cost(min(block_v, V) if save else 0, block_v, True)
+        raise ValueError(
+            f"workspace_bytes={budget} is below the {need} bytes linear_logp needs at T={T}, H={H}, "
+            f"V_local={V} ({dtype}): an fp32 [T, H] dH accumulator and a chunk of {block_v} vocab columns")
     if not explicit:  # the default budget: never chunks thinner than MIN_DEFAULT_CHUNK_COLS
         cols = max(cols, min(widest, MIN_DEFAULT_CHUNK_COLS))
     if not save:
@@ -697,7 +647,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: 
 def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
     """Shard-local int32 ids; ignored rows map to -1 (never a column)."""
     local = target_ids.to(torch.int64) - vocab_start
-    local = torch.where(target_ids == validation.IGNORE_INDEX, torch.full_like(local, -1), local)
+    local = torch.where(target_ids == IGNORE_INDEX, torch.full_like(local, -1), local)
     return local.to(torch.int32).contiguous()
 
 
@@ -913,7 +863,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         local_ids = _local_ids(target_ids, vocab_start)
         target_logit, lse, saved = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group,
                                             plan if save else None)
-        ignored = target_ids == validation.IGNORE_INDEX
+        ignored = target_ids == IGNORE_INDEX
         logp = torch.where(ignored, torch.zeros_like(lse), target_logit - lse)
         ctx.save_for_backward(hidden, weight, bias, local_ids, lse, ignored, target_logit)
         ctx.saved_logits = saved
@@ -935,88 +885,13 @@ class _LinearLogpFunction(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
-def check_linear_logp_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    tp_group: object | None,
-    vocab_start: int,
-    global_vocab: int | None,
-) -> int:
-    """Validates every input (errors name it); returns the global vocab size."""
-    validation.check_tensor(hidden, "hidden")
-    validation.check_tensor(weight, "weight")
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
-    if hidden.dtype not in HIDDEN_DTYPES:
-        raise ValueError(f"hidden dtype must be one of float32/bfloat16/float16, got {hidden.dtype}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
-    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
-        raise ValueError(f"hidden is empty: shape {tuple(hidden.shape)} (T and H must be > 0)")
-    if weight.shape[0] == 0:
-        raise ValueError(f"weight is empty: shape {tuple(weight.shape)} (V_local must be > 0)")
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V_local, H={hidden.shape[1]}], got shape {tuple(weight.shape)}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    if bias is not None:
-        validation.check_tensor(bias, "bias")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape [{weight.shape[0]}] (V_local), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise ValueError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
-    validation.check_temperature(temperature)
-    v_local = weight.shape[0]
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start!r}")
-    if global_vocab is None:
-        if tp_group is not None:
-            raise ValueError("global_vocab is required with tp_group (the full vocab size over all shards)")
-        global_vocab = vocab_start + v_local
-    if isinstance(global_vocab, bool) or not isinstance(global_vocab, int) or global_vocab < vocab_start + v_local:
-        raise ValueError(
-            f"global_vocab must be an int >= vocab_start + V_local = {vocab_start + v_local}, got {global_vocab!r}"
-        )
-    if tp_group is None and (vocab_start != 0 or global_vocab != v_local):
-        raise ValueError(
-            f"without tp_group the weight must hold the whole vocab: vocab_start must be 0 and global_vocab "
-            f"{v_local}, got vocab_start={vocab_start}, global_vocab={global_vocab}"
-        )
-    validation.check_target_ids(target_ids, hidden.shape[0], global_vocab, hidden.device)
-    return global_vocab
-
-
-
-
-def linear_logp(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    *,
-    tp_group: object | None = None,
-    vocab_start: int = 0,
-    global_vocab: int | None = None,
-    workspace_bytes: int | None = None,
-) -> torch.Tensor:
-    """Selected log-prob of ``target_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
-
-    ``workspace_bytes``: the most memory the op may hold beyond its inputs, its output and the
-    gradients it returns, from the forward through the backward (default: the
-    ``RLK_LINEAR_LOGP_WORKSPACE_BYTES`` setting, else 256 MB). The larger it is, the more of the
-    logits the forward keeps for the backward instead of recomputing them; T * V_local * 2 bytes
-    plus ~1% keeps them all (three matrix products in forward+backward instead of four).
-    See the module docstring for shapes, dtypes, the vocab-parallel mode and the budget.
-    Returns fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias.
-    """
-    check_linear_logp_inputs(hidden, weight, target_ids, bias, temperature, tp_group, vocab_start, global_vocab)
-    budget, explicit = _workspace_budget(workspace_bytes)
+def linear_logp_call(call: LinearLogpCall) -> torch.Tensor:
+    """Selected log-prob of ``target_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``
+    on the kernels above: fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias.
+    The workspace budget (``workspace_bytes``, else ``RLK_LINEAR_LOGP_WORKSPACE_BYTES``, else 256 MB)
+    sets how much of the logits the forward keeps for the backward (module docstring)."""
+    hidden, weight, target_ids, bias = call.hidden, call.weight, call.target_ids, call.bias
+    budget, explicit = _workspace_budget(call.workspace_bytes)
     # The kernels read rows with unit stride along H.
     hidden_c = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weight_c = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -1025,10 +900,13 @@ def linear_logp(
         t is not None and t.requires_grad for t in (hidden_c, weight_c, bias_c))
     save = wants_grad and _save_logits()
     plan = _plan(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, budget, explicit=explicit,
-                 save=save, tp=tp_group is not None)
+                 save=save, tp=call.tp_group is not None)
     return _LinearLogpFunction.apply(
-        hidden_c, weight_c, bias_c, target_ids, float(temperature), tp_group, int(vocab_start), plan, save,
+        hidden_c, weight_c, bias_c, target_ids, call.temperature, call.tp_group, call.vocab_start, plan, save,
     )
+
+
+linear_logp = entry_point(LinearLogpCall, linear_logp_call, name="linear_logp")
 
 
 def planned_workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype, workspace_bytes: int | None = None,
@@ -1047,5 +925,5 @@ def kept_vocab_columns(T: int, H: int, V_local: int, dtype: torch.dtype, workspa
     return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=True, tp=tp, interpreted=False).saved_cols
 
 
-__all__ = ["DEFAULT_WORKSPACE_BYTES", "WORKSPACE_ENV", "check_linear_logp_inputs", "kept_vocab_columns",
-           "linear_logp", "planned_workspace_bytes"]
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "WORKSPACE_ENV", "kept_vocab_columns", "linear_logp", "linear_logp_call",
+           "planned_workspace_bytes"]

@@ -1,11 +1,11 @@
 """End-to-end A/B tier: one spec, two arms (baseline vs kernels), gates and a report.
 
-- `spec`: the A/B spec (pydantic) and the "arms differ only by the kernel switch" check
-- `metrics`: canonical per-step metric names, bands (with sources) and windows for every engine
-- `gates`: engine-agnostic gates (`gate_lane`, `pair_verdict`) over per-arm series
-- `report`: plots and the reproducibility Markdown
-- vime engine: `vime_engine` (commands), `launcher` (own Ray head, job submit, teardown),
-  `vime_log` (stdout parser), `tensorboard` (event-file reader), `nvml` (peak memory), `ab` (runs)
-- `engines/`: other engines (TRL)
-- `cli`: `rlk e2e plan|run|list`
+- `spec`: the A/B spec (pydantic; each engine's section validated by the engine's own model)
+- `arms`: resolved arm commands and the "arms differ only by the kernel switch" check
+- `engine`: the contract every engine meets; `engines/<name>/`: the engines (vime, trl), by name
+- `runner`: the one A/B runner (plan, run, gate, report) over any engine; `outcome`: its results
+- `launcher`: the one subprocess launcher (local and Ray job modes; `processes`, `ray_head`)
+- `metrics`, `gates`, `report`: canonical metric names and bands, engine-agnostic gates, the report
+- `progress`, `placeholders`, `tensorboard`, `nvml`: progress lines, `${VAR}` paths, event files, GPU memory
+- `cli`: `rlk e2e list|plan|run`
 """

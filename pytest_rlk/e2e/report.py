@@ -10,10 +10,8 @@ commands, commits, hardware, the spec's settings, the verdicts) and writes into 
 - `reward_absdiff.png`   raw_reward and train_rollout_logprob_abs_diff over rollouts
 - `report.md`            verdicts, metric table, commands, commits, hardware, hyperparameters
 
-The scope wording is fixed here, per engine (`scope_statement`): in the vime lane the kernels
-compute log-probs, ratio/KL and the loss; in the TRL lane only the per-token log-probs (TRL's loss
-is inline). Nothing in either claims an MoE-kernel speedup or that R3 is replaced (R3 arms are
-compatibility runs).
+The scope statement comes from the engine (`Engine.scope`: what the kernels compute in that
+engine and what they do not); every engine's ends with `NO_MOE_CLAIM`.
 """
 
 from __future__ import annotations
@@ -30,33 +28,10 @@ from pytest_rlk.e2e.spec import ArmRole, Lane
 from pytest_rlk.schema import Window
 from pytest_rlk.stats import aggregate
 
-_NO_MOE_CLAIM = (
+NO_MOE_CLAIM = (
     "This report makes no claim about mixture-of-experts (expert or router) kernels: both arms run "
     "the same expert and router code."
 )
-SCOPE_STATEMENTS: dict[str, str] = {
-    "vime": (
-        "Scope: the kernel arm differs from the baseline only by the kernel switch shown below; the "
-        "kernels compute selected log-probs, ratio/KL and the GRPO policy loss (and linear_logp where "
-        "enabled). " + _NO_MOE_CLAIM + " Where rollout routing replay (R3) is on, both arms use vime's "
-        "own R3: the comparison shows compatibility with R3, not a replacement of it."
-    ),
-    "trl": (
-        "Scope: the kernel arm differs from the baseline only by the kernel switch shown below; only "
-        "TRL's per-token log-probs (its fused LM-head log-prob path) are routed through our kernels. "
-        "TRL's GRPO loss, ratio, clipping and KL are computed inline by TRL in both arms, so this "
-        "report makes no claim about loss or ratio/KL kernels. " + _NO_MOE_CLAIM
-    ),
-}
-
-
-def scope_statement(engine: str) -> str:
-    """The report's scope statement for ``engine`` ("vime" or "trl"; a mode may follow: "vime (ray mode)")."""
-    name = engine.split(maxsplit=1)[0] if engine.strip() else engine
-    if name not in SCOPE_STATEMENTS:
-        raise ValueError(f"ReportInputs.engine {engine!r}: no scope statement for engine {name!r} "
-                         f"(known: {sorted(SCOPE_STATEMENTS)})")
-    return SCOPE_STATEMENTS[name]
 
 
 @dataclass(frozen=True)
@@ -76,7 +51,8 @@ class ArmRun:
 @dataclass(frozen=True)
 class ReportInputs:
     case: str
-    engine: str
+    engine: str  # as the report names it, e.g. "vime (ray mode)"
+    scope: str  # the engine's scope statement (`Engine.scope`)
     platform: str
     hardware: str
     skip_warmup: int
@@ -265,7 +241,7 @@ def write_report(out_dir: str | Path, inputs: ReportInputs) -> ReportPaths:
         else:
             missing.append(filename)
 
-    md = [f"# A/B report: {inputs.case}", "", scope_statement(inputs.engine), ""]
+    md = [f"# A/B report: {inputs.case}", "", inputs.scope, ""]
     md += ["## Verdict", ""] + _verdict_lines(inputs.verdict) + [""]
     md += ["## Metrics (window after %d warmup rollouts)" % skip, ""] + _metric_table(inputs) + [""]
     md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]

@@ -1,35 +1,34 @@
 """The A/B run spec: one file describes both arms of an end-to-end comparison.
 
 Everything that must be identical between the arms (model, data, hardware, seeds,
-hyperparameters, parallelism, engine settings) is written once; the only difference between the
-arms is the `kernel_switch` (environment + extra engine arguments of the kernel arm). Engines turn a
-spec into one `ArmCommand` per arm and lane; `check_arms_differ_only_by_switch` asserts on the
-resolved commands that nothing else differs, so a builder bug cannot slip a second difference in.
+hyperparameters, parallelism, engine settings) is written once; the arms differ only by the
+`kernel_switch` (environment + extra engine arguments of the kernel arm) and what an arm declares
+in `arms.<role>.env` (a test variant; plans and reports show it). `arms` checks the commands.
 
-Engine-specific settings live in one section named after the engine (`vime:` or `trl:`); the
-other section must be absent. The `trl` section is kept as a plain mapping here and validated by
-the TRL engine's own model, so this file stays engine-agnostic.
+Engine settings live in one section named after the engine (`"engine": "trl"`, `"trl": {...}`),
+validated by the engine's own model (`Engine.settings_model`, an `EngineSettings`), so `load_spec`
+errors name the file and the field (`trl.dtype: ...`). In Python it is `spec.settings`; dumps write
+it back under the engine's name.
 
 Spec files are JSON (`pytest_rlk/e2e/specs/*.json`). Paths may use `${VAR}` placeholders
-(`${RLK_MODELS}`, `${RLK_DATA}`, `${MEGATRON_LM}`): `plan` prints them as written, `run` expands
-them and fails naming the variable when one is unset.
+(`pytest_rlk.e2e.placeholders`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, SerializeAsAny, SerializerFunctionWrapHandler, ValidationError,
+    ValidatorFunctionWrapHandler, model_serializer, model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 SPEC_SCHEMA_VERSION = 1
 SPECS_DIR = Path(__file__).with_name("specs")
 
-EngineName = Literal["vime", "trl"]
 Lane = Literal["replay", "live"]
 Platform = Literal["h100", "h200", "a100", "gb200", "gpu", "cpu"]
 ArmRole = Literal["baseline", "kernels"]
@@ -41,11 +40,6 @@ KERNEL_ENV_SWITCH = "VIME_RL_KERNEL"
 
 class SpecError(ValueError):
     """A spec file or spec value is invalid; the message names the file and the field."""
-
-
-class ArmMismatchError(AssertionError):
-    """The two arms' resolved commands differ by more than the kernel switch (and the lane's
-    declared record/replay arguments)."""
 
 
 class _Frozen(BaseModel):
@@ -138,6 +132,11 @@ class KernelSwitch(_Frozen):
 
 class ArmSpec(_Frozen):
     label: str = Field(description='Name in reports, e.g. "vime+R3" / "vime+R3+kernels".')
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment of this arm only, beyond the kernel switch (a test or diagnostic variant: "
+        "e.g. a kernel backend chosen for the kernel arm). A declared difference: plans and reports show it.",
+    )
 
 
 class Arms(_Frozen):
@@ -170,37 +169,16 @@ class GateSelection(_Frozen):
     memory: bool = True
 
 
-class VimeSettings(_Frozen):
-    """vime-specific settings, shared by both arms (facts: shared/docs/vime-facts.md)."""
+class EngineSettings(_Frozen):
+    """Base of every engine's settings section (the spec's `<engine>` object)."""
 
-    commit: str | None = Field(
-        default=None, description="Pinned vime commit; checked against --rlk-vime-root's HEAD."
-    )
-    entry: Literal["train.py", "train_async.py"] = "train.py"
-    megatron_path: str = Field(description="Megatron-LM checkout put on PYTHONPATH.")
-    checkpoint_mode: Literal["bridge", "torch_dist"]
-    model_args_script: str | None = Field(
-        default=None,
-        description="Script under the vime root defining MODEL_ARGS (sourced before train.py).",
-    )
-    deterministic: bool = True
-    routing_replay: bool = False
-    use_tensorboard: bool = True
-    ci_test: bool = False
-    fault_tolerance: bool = False
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    def check_spec(self, spec: ABSpec) -> None:
+        """Cross-checks of the section against the rest of the spec; raise ValueError naming the
+        fields. The default checks nothing."""
 
-    @model_validator(mode="after")
-    def _no_ci_test_with_fault_tolerance(self) -> VimeSettings:
-        ci = self.ci_test or "--ci-test" in self.extra_args
-        ft = self.fault_tolerance or "--use-fault-tolerance" in self.extra_args
-        if ci and ft:
-            raise ValueError(
-                "vime: --ci-test together with --use-fault-tolerance deliberately kills an engine; "
-                "never combine them in an A/B run"
-            )
-        return self
+
+def _error(loc: tuple[str, ...], message: str, value: Any) -> dict[str, Any]:
+    return {"type": "engine_section", "loc": loc, "msg": message, "input": value}
 
 
 class ABSpec(_Frozen):
@@ -208,7 +186,7 @@ class ABSpec(_Frozen):
     case: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="Case id (baselines, dirs).")
     description: str
     purpose: Literal["smoke", "correctness", "speed", "compatibility", "generalization"]
-    engine: EngineName
+    engine: str = Field(description="Engine name: a package under pytest_rlk/e2e/engines/ (vime, trl, ...).")
     markers: list[str] = Field(
         description='pytest markers of the case, e.g. ["vime", "h200", "gpus(8)", "qwen3_30b_a3b"].'
     )
@@ -224,17 +202,58 @@ class ABSpec(_Frozen):
     window: WindowSpec
     timeouts: Timeouts
     gates: GateSelection = GateSelection()
-    vime: VimeSettings | None = None
-    trl: dict[str, Any] | None = None
+    settings: SerializeAsAny[EngineSettings] = Field(description="The engine's section, validated by its own model.")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _engine_section(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> ABSpec:
+        """Validate the `<engine>` section with the engine's model; its errors and the rest's are
+        reported together, located under the section's name (`trl.dtype`)."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine"), str) or "settings" in data:
+            return handler(data)
+        from pytest_rlk.e2e.engines import UnknownEngineError, engine_names, get_engine
+
+        data = dict(data)
+        engine = data["engine"]
+        errors: list[dict[str, Any]] = []
+        settings = EngineSettings()  # stands in for an invalid section: the rest is still validated
+        for other in engine_names():
+            if other != engine and other in data:
+                errors.append(_error((other,), f"engine is {engine!r}: remove the {other!r} section", data.pop(other)))
+        try:
+            model = get_engine(engine).settings_model
+        except UnknownEngineError as exc:
+            errors.append(_error(("engine",), str(exc), engine))
+        else:
+            section = data.pop(engine, None)
+            if section is None:
+                errors.append(_error((engine,), f"engine is {engine!r} but the {engine!r} section is missing", None))
+            else:
+                try:
+                    settings = model.model_validate(section)
+                except ValidationError as exc:
+                    errors += [{**err, "loc": (engine, *err["loc"])} for err in exc.errors()]
+        data["settings"] = settings
+        try:
+            spec = handler(data)
+        except ValidationError as exc:
+            errors = exc.errors() + errors
+        if errors:
+            raise ValidationError.from_exception_data(
+                cls.__name__, [{"type": PydanticCustomError(e["type"], e["msg"]), "loc": e["loc"], "input": e["input"]}
+                               for e in errors])
+        return spec
+
+    @model_serializer(mode="wrap")
+    def _dump_section_under_engine(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        settings = data.pop("settings", None)
+        if settings is not None:
+            data[self.engine] = settings
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> ABSpec:
-        sections = {"vime": self.vime, "trl": self.trl}
-        if sections[self.engine] is None:
-            raise ValueError(f"engine is {self.engine!r} but the {self.engine!r} section is missing")
-        for other, value in sections.items():
-            if other != self.engine and value is not None:
-                raise ValueError(f"engine is {self.engine!r}: remove the {other!r} section")
         if len(set(self.lanes)) != len(self.lanes):
             raise ValueError(f"lanes: duplicates in {self.lanes}")
         if self.window.skip_warmup_rollouts >= self.hyperparameters.num_rollout:
@@ -242,37 +261,13 @@ class ABSpec(_Frozen):
                 f"window.skip_warmup_rollouts = {self.window.skip_warmup_rollouts} leaves no "
                 f"rollout of hyperparameters.num_rollout = {self.hyperparameters.num_rollout}"
             )
-        if self.engine == "vime":
-            self._check_vime_resources()
+        if type(self.settings) is not EngineSettings:  # the base stands in only while errors are gathered
+            self.settings.check_spec(self)
+        for role in ARM_ROLES:
+            clash = sorted(set(getattr(self.arms, role).env) & set(self.kernel_switch.env))
+            if clash:
+                raise ValueError(f"arms.{role}.env sets kernel switch variables {clash}: the switch is kernel_switch.env")
         return self
-
-    def _check_vime_resources(self) -> None:
-        par, hw = self.parallelism, self.hardware
-        actor_gpus = par.actor_num_gpus_per_node * hw.nodes
-        used = actor_gpus if par.colocate else actor_gpus + par.rollout_num_gpus
-        if par.colocate and par.rollout_num_gpus != actor_gpus:
-            raise ValueError(
-                f"parallelism: colocated runs share GPUs, so rollout_num_gpus "
-                f"({par.rollout_num_gpus}) must equal the actor GPUs ({actor_gpus})"
-            )
-        if used != hw.gpus:
-            raise ValueError(f"parallelism uses {used} GPUs but hardware.gpus = {hw.gpus}")
-        model_parallel = par.tensor * par.pipeline * par.context
-        if actor_gpus % model_parallel:
-            raise ValueError(
-                f"parallelism: tensor*pipeline*context = {model_parallel} does not divide the "
-                f"{actor_gpus} actor GPUs"
-            )
-        if par.rollout_num_gpus % par.rollout_num_gpus_per_engine:
-            raise ValueError(
-                "parallelism: rollout_num_gpus_per_engine does not divide rollout_num_gpus"
-            )
-        if par.expert > 1 and not self.model.moe:
-            raise ValueError("parallelism.expert > 1 needs a MoE model (model.moe = true)")
-        if self.vime is not None and self.vime.routing_replay and not self.model.moe:
-            raise ValueError("vime.routing_replay (R3) needs a MoE model (model.moe = true)")
-        if self.vime is not None and self.vime.checkpoint_mode == "torch_dist" and not self.model.ref_load:
-            raise ValueError("vime.checkpoint_mode = torch_dist needs model.ref_load")
 
     def arm_label(self, role: ArmRole) -> str:
         return getattr(self.arms, role).label
@@ -311,115 +306,3 @@ def resolve_spec_name(name_or_path: str) -> Path:
         return shipped
     known = ", ".join(p.stem for p in matrix_spec_paths())
     raise SpecError(f"{name_or_path!r}: no such spec file and no shipped spec of that name ({known})")
-
-
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def expand_placeholders(text: str, env: dict[str, str] | None = None, *, what: str) -> str:
-    """Expand `${VAR}` from env (default os.environ); an unset variable is an error naming it."""
-    env = os.environ if env is None else env
-
-    def _sub(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in env:
-            raise SpecError(f"{what}: {text!r} uses ${{{name}}} but {name} is not set")
-        return env[name]
-
-    return _VAR.sub(_sub, text)
-
-
-# --------------------------------------------------------------------------------------------
-# Resolved commands and the "arms differ only by the switch" check (engine-agnostic).
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ArmCommand:
-    """One arm's job, fully resolved: what is executed and with which environment.
-
-    `lane_args` are the lane's declared per-arm arguments (record vs replay paths), contiguous in
-    `argv`; `output_env` holds per-arm output locations (e.g. `TENSORBOARD_DIR`), same keys in
-    both arms. The identical-arms check removes both (and the kernel switch) and requires the
-    rest to be equal. The process environment is `env | output_env`.
-    """
-
-    role: ArmRole
-    label: str
-    lane: Lane
-    argv: list[str]
-    env: dict[str, str]
-    lane_args: list[str] = field(default_factory=list)
-    output_env: dict[str, str] = field(default_factory=dict)
-    workdir: str | None = None
-
-    @property
-    def full_env(self) -> dict[str, str]:
-        return {**self.env, **self.output_env}
-
-
-def _remove_run(argv: list[str], run: list[str], *, what: str) -> list[str]:
-    if not run:
-        return list(argv)
-    for i in range(len(argv) - len(run) + 1):
-        if argv[i : i + len(run)] == run:
-            return argv[:i] + argv[i + len(run) :]
-    raise ArmMismatchError(f"{what} {run} not found in the command {argv}")
-
-
-def _group_options(argv: list[str]) -> list[tuple[str, ...]]:
-    """Split argv into option groups (`--flag v1 v2`), so a mismatch names the flag."""
-    groups: list[list[str]] = []
-    for token in argv:
-        if token.startswith("--") or not groups:
-            groups.append([token])
-        else:
-            groups[-1].append(token)
-    return [tuple(g) for g in groups]
-
-
-def check_arms_differ_only_by_switch(
-    baseline: ArmCommand, kernels: ArmCommand, switch: KernelSwitch
-) -> None:
-    """Raise ArmMismatchError naming every difference other than the kernel switch.
-
-    The baseline must not carry any part of the switch; the kernel arm must carry all of it.
-    """
-    if (baseline.role, kernels.role) != ARM_ROLES:
-        raise ArmMismatchError(f"expected roles {ARM_ROLES}, got {(baseline.role, kernels.role)}")
-    if baseline.lane != kernels.lane:
-        raise ArmMismatchError(f"arms are on different lanes: {baseline.lane} vs {kernels.lane}")
-    problems: list[str] = []
-    for key, value in switch.env.items():
-        if key in baseline.env:
-            problems.append(f"baseline env sets the kernel switch {key}={baseline.env[key]}")
-        if kernels.env.get(key) != value:
-            problems.append(f"kernel arm env lacks {key}={value}")
-    base_env = {k: v for k, v in baseline.env.items() if k not in switch.env}
-    kern_env = {k: v for k, v in kernels.env.items() if k not in switch.env}
-    for key in sorted(set(base_env) | set(kern_env)):
-        if base_env.get(key) != kern_env.get(key):
-            problems.append(f"env {key}: {base_env.get(key)!r} vs {kern_env.get(key)!r}")
-    for flag in switch.args:
-        if flag.startswith("--") and flag in baseline.argv:
-            problems.append(f"baseline command carries the kernel switch argument {flag}")
-    base_argv = _remove_run(baseline.argv, baseline.lane_args, what="baseline lane args")
-    kern_argv = _remove_run(kernels.argv, kernels.lane_args, what="kernel arm lane args")
-    kern_argv = _remove_run(kern_argv, list(switch.args), what="kernel switch args")
-    base_groups, kern_groups = _group_options(base_argv), _group_options(kern_argv)
-    if base_groups != kern_groups:
-        only_base = [" ".join(g) for g in base_groups if g not in kern_groups]
-        only_kern = [" ".join(g) for g in kern_groups if g not in base_groups]
-        if only_base or only_kern:
-            problems.append(f"arguments only in baseline: {only_base}; only in kernel arm: {only_kern}")
-        else:
-            problems.append("the same arguments in a different order")
-    if set(baseline.output_env) != set(kernels.output_env):
-        problems.append(f"output env keys: {sorted(baseline.output_env)} vs {sorted(kernels.output_env)}")
-    if baseline.workdir != kernels.workdir:
-        problems.append(f"workdir: {baseline.workdir!r} vs {kernels.workdir!r}")
-    if problems:
-        raise ArmMismatchError(
-            f"arms {baseline.label!r} and {kernels.label!r} ({baseline.lane} lane) differ beyond "
-            "the kernel switch: " + "; ".join(problems)
-        )

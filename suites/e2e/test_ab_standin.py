@@ -13,7 +13,8 @@ import pytest
 
 from pytest_rlk.cli import main as rlk_main
 from pytest_rlk.e2e import metrics as m
-from pytest_rlk.e2e.ab import ABRunError, run_ab
+from pytest_rlk.e2e.outcome import ABRunError
+from pytest_rlk.e2e.runner import run_ab
 from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError
 from pytest_rlk.schema import Verdict
 
@@ -40,7 +41,7 @@ def _spec(lanes: tuple[str, ...] = ("replay", "live"), **switch_env: str) -> ABS
 
 
 def _run(spec: ABSpec, root: Path, out: Path):
-    return run_ab(spec, vime_root=root, out_dir=out, mode="local", python=sys.executable)
+    return run_ab(spec, out, options={"vime_root": str(root), "mode": "local", "python": sys.executable})
 
 
 def test_standin_ab_passes_both_lanes_and_reports(vime_root, tmp_path):
@@ -50,7 +51,7 @@ def test_standin_ab_passes_both_lanes_and_reports(vime_root, tmp_path):
     assert [lane.lane for lane in run.verdict.lanes] == ["replay", "live"]
     # the replay lane's kernel arm trained on the baseline's recorded rollouts
     assert sorted(p.name for p in (out / "replay" / "rollouts").iterdir())[0] == "rollout_0.pt"
-    kern_log = (out / "replay" / "kernels" / "job.log").read_text()
+    kern_log = (out / "replay" / "kernels" / "arm.log").read_text()
     assert "--load-debug-rollout-data" in kern_log and "--num-layers 28" not in kern_log.splitlines()[1]
     saved = json.loads((out / "live" / "kernels" / "series.json").read_text())
     assert saved["series"][m.FALLBACK_COUNT] == [0.0] * 6 and saved["status"] == "succeeded"
@@ -81,12 +82,12 @@ def test_run_dying_midway_keeps_artifacts_and_fails_clearly(vime_root, tmp_path)
     with pytest.raises(ABRunError) as info:
         _run(_spec(RLK_STANDIN_DIE_AT_ROLLOUT="2", RLK_STANDIN_MALFORMED="1"), vime_root, out)
     message = str(info.value)
-    assert "exit code 17" in message and "dying midway" in message and str(out / "replay" / "kernels" / "job.log") in message
+    assert "exit code 17" in message and "dying midway" in message and str(out / "replay" / "kernels" / "arm.log") in message
     run = info.value.run
     assert not run.passed
     partial = json.loads((out / "replay" / "kernels" / "series.json").read_text())
     assert partial["status"] == "failed" and len(partial["series"][m.RAW_REWARD]) == 3
-    assert partial["malformed_lines"] == 6
+    assert partial["info"]["malformed_lines"] == 6
     assert run.report.markdown.exists() and "failed" in run.report.markdown.read_text()
 
 
@@ -96,9 +97,23 @@ def test_cli_run_and_exit_codes(vime_root, tmp_path, capsys):
     args = ["e2e", "run", str(spec_path), "--vime-root", str(vime_root), "--mode", "local",
             "--python", sys.executable, "--out", str(tmp_path / "cli")]
     assert rlk_main(args) == 0
-    assert "PASS" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "PASS" in captured.out
+    # progress on the terminal while the arms run (stderr; the arms' full output is in arm.log)
+    for line in (f"[vime] started (live lane), log {tmp_path / 'cli' / 'live' / 'baseline' / 'arm.log'}",
+                 "[vime+kernels] rollout 1/6: raw_reward 0.2", "[vime+kernels] rollout 6/6: raw_reward 0.4"):
+        assert line in captured.err, line
+    assert "[vime] succeeded in " in captured.err and "[vime+kernels] succeeded in " in captured.err
     spec_path.write_text(_spec(("live",), RLK_STANDIN_REWARD_DROP="0.3").model_dump_json())
-    assert rlk_main(args) == 1
+    assert rlk_main(args) == 2  # --out holds the first run: never overwritten unasked
+    assert f"--out {tmp_path / 'cli'}: not empty (an earlier run?); pass --overwrite" in capsys.readouterr().err
+    assert rlk_main([*args, "--overwrite"]) == 1
+    assert json.loads((tmp_path / "cli" / "ab_result.json").read_text())["passed"] is False
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a run")
+    assert rlk_main([*args[:-1], str(tmp_path / "mine"), "--overwrite"]) == 2
+    assert "not an earlier `rlk e2e run` output (no spec.json)" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").exists()
     assert rlk_main(["e2e", "run", str(spec_path), "--vime-root", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
     assert rlk_main(["e2e", "run", str(spec_path)]) == 2

@@ -7,7 +7,7 @@ import pytest
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.gates import gate_lane, pair_verdict
 from pytest_rlk.e2e.spec import GateSelection
-from pytest_rlk.e2e.vime_log import parse_vime_log
+from pytest_rlk.e2e.engines.vime.log import parse_vime_log
 from pytest_rlk.schema import Verdict
 
 

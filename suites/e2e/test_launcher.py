@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_rlk.e2e.launcher import LaunchError, RayHead, free_ports, run_arm, session_pids
-from pytest_rlk.e2e.spec import ArmCommand
+from pytest_rlk.e2e.arms import ArmCommand
+from pytest_rlk.e2e.launcher import run_arm
+from pytest_rlk.e2e.processes import LaunchError, free_ports, session_pids
+from pytest_rlk.e2e.ray_head import RayHead
 
 RAY_BIN = os.environ.get("RLK_TEST_RAY_BIN", "ray")
 STANDIN = Path(__file__).resolve().parent / "standin_vime_train.py"

@@ -6,8 +6,9 @@ import pytest
 
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.gates import gate_lane, pair_verdict
-from pytest_rlk.e2e.report import SCOPE_STATEMENTS, ArmRun, ReportInputs, scope_statement, write_report
-from pytest_rlk.e2e.vime_log import parse_vime_log
+from pytest_rlk.e2e.engines import UnknownEngineError, get_engine
+from pytest_rlk.e2e.report import ArmRun, ReportInputs, write_report
+from pytest_rlk.e2e.engines.vime.log import parse_vime_log
 
 
 def _non_blank(path) -> bool:
@@ -23,7 +24,7 @@ def inputs(fixtures_dir) -> ReportInputs:
     kern = parse_vime_log(fixtures_dir / "vime_30b_a3b_kernels.log").series()
     lane = gate_lane(base, kern, case="qwen3-30b-a3b-h200-grpo-dapo", platform="h200", lane="live", skip_warmup=1)
     return ReportInputs(
-        case="qwen3-30b-a3b-h200-grpo-dapo", engine="vime (ray mode)", platform="h200", hardware="8x h200, 1 node",
+        case="qwen3-30b-a3b-h200-grpo-dapo", engine="vime (ray mode)", scope=get_engine("vime").scope, platform="h200", hardware="8x h200, 1 node",
         skip_warmup=1,
         arms=[ArmRun("baseline", "vime", "live", base, command="ray job submit --address=http://127.0.0.1:1 -- train.py",
                      log_path="/runs/live/baseline/job.log", peak_vram_mib_per_gpu={0: 64363.0, 1: 64100.0}),
@@ -42,7 +43,7 @@ def test_all_plots_are_written_and_non_blank(inputs, tmp_path):
                      "step_time_steps.png"]
     assert all(_non_blank(p) for p in paths.plots)
     text = paths.markdown.read_text()
-    assert scope_statement("vime") in text
+    assert get_engine("vime").scope in text
     for expected in ("Pair verdict: PASS", "ray job submit --address=http://127.0.0.1:1", "`abc123`", "8x h200",
                      '"lr": 1e-06', "VIME_RL_KERNEL=1 --loss-type custom_loss", "/runs/live/kernels/job.log",
                      "entropy_loss (not compared)", "| step_time_s | s | p99 |",
@@ -61,7 +62,7 @@ def test_missing_data_is_said_not_drawn(inputs, tmp_path):
 
 
 def test_scope_statement_is_per_engine_and_claims_no_moe_kernel_or_r3_replacement(inputs, tmp_path):
-    vime, trl = SCOPE_STATEMENTS["vime"], SCOPE_STATEMENTS["trl"]
+    vime, trl = get_engine("vime").scope, get_engine("trl").scope
     assert "ratio/KL and the GRPO policy loss" in vime
     assert "only TRL's per-token log-probs" in trl and "computed inline by TRL in both arms" in trl
     for text in (vime, trl):
@@ -71,14 +72,14 @@ def test_scope_statement_is_per_engine_and_claims_no_moe_kernel_or_r3_replacemen
     trl_series = {**inputs.arms[0].series, m.PEAK_RSS: [900.0, 950.0], m.LOSS_TIME: [0.1, 0.2],
                   m.OPTIMIZER_TIME: [0.01, 0.02], m.ENTROPY: [2.0, 1.9]}
     arms = [ArmRun(a.role, a.label, a.lane, trl_series, a.command) for a in inputs.arms]
-    trl_inputs = ReportInputs(**{**inputs.__dict__, "engine": "trl", "arms": arms})
+    trl_inputs = ReportInputs(**{**inputs.__dict__, "engine": "trl", "scope": trl, "arms": arms})
     text = write_report(tmp_path, trl_inputs).markdown.read_text()
     assert trl in text and vime not in text
     for row in ("| peak_rss_mib | MiB | max |", "| loss_time_s | s | median |", "| optimizer_time_s | s | median |",
                 "| entropy (not compared) | nat/token | mean |"):
         assert row in text, row
-    with pytest.raises(ValueError, match="no scope statement for engine 'verl'"):
-        scope_statement("verl (ray mode)")
+    with pytest.raises(UnknownEngineError, match=r"unknown engine 'verl' \(known: trl, vime\)"):
+        get_engine("verl")
 
 
 def test_report_only_metrics_have_units_and_are_never_gated():

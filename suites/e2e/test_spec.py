@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 
 from pytest_rlk.cli import main as rlk_main
-from pytest_rlk.e2e import vime_engine
-from pytest_rlk.e2e.spec import (
-    ABSpec, ArmCommand, ArmMismatchError, SpecError, check_arms_differ_only_by_switch, expand_placeholders,
-    load_spec, matrix_spec_paths,
-)
+from pytest_rlk.e2e.arms import ArmCommand, ArmMismatchError, check_arms_differ_only_by_switch
+from pytest_rlk.e2e.engines.vime import commands as vime_commands
+from pytest_rlk.e2e.placeholders import RUN_DIR_PLACEHOLDER, expand_placeholders
+from pytest_rlk.e2e.runner import plan_text
+from pytest_rlk.e2e.spec import ABSpec, SpecError, load_spec, matrix_spec_paths
 
 SPEC_PATHS = matrix_spec_paths()
 VIME_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "vime"]
 TRL_SPECS = [p for p in SPEC_PATHS if load_spec(p).engine == "trl"]
-RUN_DIR = vime_engine.RUN_DIR_PLACEHOLDER  # the plan's stand-in for the run directory
+RUN_DIR = RUN_DIR_PLACEHOLDER  # the plan's stand-in for the run directory
 MATRIX_CASES = {
     "qwen3-4b-a100-grpo-gsm8k", "qwen3-30b-a3b-h200-grpo-dapo", "qwen3-30b-a3b-r3-h200-grpo-dapo",
     "glm45-air-h200-grpo-dapo", "qwen3-0.6b-2gpu-smoke-gsm8k",
@@ -34,9 +34,9 @@ def test_the_mission_matrix_is_shipped():
     assert MATRIX_CASES <= cases
     r3 = load_spec(Path(SPEC_PATHS[0]).parent / "qwen3-30b-a3b-r3-h200-grpo-dapo.json")
     assert (r3.arms.baseline.label, r3.arms.kernels.label) == ("vime+R3", "vime+R3+kernels")
-    assert r3.vime.routing_replay and not r3.gates.speed  # compatibility only
+    assert r3.settings.routing_replay and not r3.gates.speed  # compatibility only
     smoke = load_spec(Path(SPEC_PATHS[0]).parent / "qwen3-0.6b-2gpu-smoke-gsm8k.json")
-    assert smoke.hardware.gpus == 2 and smoke.vime.checkpoint_mode == "bridge"
+    assert smoke.hardware.gpus == 2 and smoke.settings.checkpoint_mode == "bridge"
 
 
 @pytest.mark.parametrize("path", VIME_SPECS, ids=lambda p: p.stem)
@@ -88,20 +88,43 @@ def test_trl_plan_prints_both_arms_identical_except_the_kernel_switch(path, caps
     assert b_dir == k_dir and b_env["PYTHONPATH"] == b_dir
     assert {k: v for k, v in k_env.items() if k not in spec.kernel_switch.env} == b_env
     assert all(k_env[k] == v and k not in b_env for k, v in spec.kernel_switch.env.items())
-    assert b_argv[1:4] == ["-m", "pytest_rlk.e2e.engines.trl_engine", "--spec"]
+    assert b_argv[1:5] == ["-m", "pytest_rlk.e2e.engines.trl.child", "--spec", f"{RUN_DIR}/spec.json"]
     switch = list(spec.kernel_switch.args)
     k_rest = k_argv[: len(k_argv) - len(switch)]
     assert k_argv[len(k_rest):] == switch
     # argv ends with `--arm ROLE --out RUN/ROLE`; everything else is identical
-    assert b_argv[-4:] == ["--arm", "baseline", "--out", f"{RUN_DIR}/baseline"]
-    assert k_rest[-4:] == ["--arm", "kernels", "--out", f"{RUN_DIR}/kernels"]
+    assert b_argv[-4:] == ["--arm", "baseline", "--out", f"{RUN_DIR}/live/baseline"]
+    assert k_rest[-4:] == ["--arm", "kernels", "--out", f"{RUN_DIR}/live/kernels"]
     assert k_rest[:-4] == b_argv[:-4]
     assert b_env.get("TRITON_INTERPRET") == ("1" if spec.hardware.platform == "cpu" else None)
 
 
 def test_trl_plan_refuses_vime_root(capsys):
     assert rlk_main(["e2e", "plan", TRL_SPECS[0].stem, "--vime-root", "/v"]) == 2
-    assert "engine 'trl' does not use --vime-root" in capsys.readouterr().err
+    assert "engine 'trl' does not take --vime-root (options of engine vime)" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_vime_root_that_is_not_there(tmp_path, capsys):
+    """As `rlk e2e run` does: a usage error at once, before any command is printed."""
+    assert rlk_main(["e2e", "plan", VIME_SPECS[0].stem, "--vime-root", str(tmp_path / "no-such-dir")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"--vime-root {tmp_path / 'no-such-dir'}: not a directory" in captured.err
+    (tmp_path / "empty").mkdir()
+    assert rlk_main(["e2e", "plan", VIME_SPECS[0].stem, "--vime-root", str(tmp_path / "empty")]) == 2
+    assert "train.py not found (is this a vime checkout?)" in capsys.readouterr().err
+
+
+def test_plan_with_a_vime_root_and_out_prints_no_placeholder_for_them(tmp_path, capsys, monkeypatch):
+    root = tmp_path / "vime"
+    (root / "scripts" / "models").mkdir(parents=True)
+    (root / "train.py").write_text("")
+    for var in ("RLK_MODELS", "RLK_DATA", "MEGATRON_LM"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    for path in VIME_SPECS:
+        assert rlk_main(["e2e", "plan", path.stem, "--vime-root", str(root), "--out", str(tmp_path / "run")]) == 0
+        out = capsys.readouterr().out
+        assert "${" not in out.replace("${MODEL_ARGS[@]}", ""), path.stem
+        assert f"{root}/" in out and f"{tmp_path / 'run'}/live/kernels/tensorboard" in out
 
 
 @pytest.mark.parametrize("path", SPEC_PATHS, ids=lambda p: p.stem)
@@ -114,7 +137,7 @@ def test_every_shipped_spec_plans(path, capsys):
 def test_identical_arms_check_passes_on_the_built_commands():
     spec = ABSpec.model_validate(_raw())
     for lane in spec.lanes:
-        base, kern = vime_engine.arm_commands(spec, lane, vime_root="/v", run_dir="/r")
+        base, kern = vime_commands.arm_commands(spec, lane, vime_root="/v", run_dir="/r")
         check_arms_differ_only_by_switch(base, kern, spec.kernel_switch)
 
 
@@ -127,7 +150,7 @@ def test_identical_arms_check_passes_on_the_built_commands():
 ])
 def test_identical_arms_check_fails_on_a_difference(change, message):
     spec = ABSpec.model_validate(_raw())
-    base, kern = vime_engine.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
+    base, kern = vime_commands.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
     bad = ArmCommand(**{**kern.__dict__, **change(kern)})
     with pytest.raises(ArmMismatchError, match=message.replace("(", r"\(")):
         check_arms_differ_only_by_switch(base, bad, spec.kernel_switch)
@@ -135,10 +158,28 @@ def test_identical_arms_check_fails_on_a_difference(change, message):
 
 def test_baseline_carrying_the_switch_fails():
     spec = ABSpec.model_validate(_raw())
-    base, kern = vime_engine.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
+    base, kern = vime_commands.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
     bad_base = ArmCommand(**{**base.__dict__, "env": {**base.env, "VIME_RL_KERNEL": "1"}})
     with pytest.raises(ArmMismatchError, match="baseline env sets the kernel switch"):
         check_arms_differ_only_by_switch(bad_base, kern, spec.kernel_switch)
+
+
+def test_a_declared_arm_env_is_the_one_other_allowed_difference():
+    """`arms.<role>.env` (e.g. a kernel backend for the kernel arm of a test variant) reaches that
+    arm only; the same variables set any other way are a mismatch, and it may not shadow the engine's."""
+    raw = _raw()
+    raw["arms"]["kernels"]["env"] = {"VIME_RL_KERNEL_BACKEND": "suites.e2e.backend:make"}
+    spec = ABSpec.model_validate(raw)
+    base, kern = vime_commands.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
+    assert kern.full_env["VIME_RL_KERNEL_BACKEND"] == "suites.e2e.backend:make"
+    assert "VIME_RL_KERNEL_BACKEND" not in base.full_env
+    check_arms_differ_only_by_switch(base, kern, spec.kernel_switch)
+    undeclared = ArmCommand(**{**kern.__dict__, "env": {**kern.env, **kern.arm_env}, "arm_env": {}})
+    with pytest.raises(ArmMismatchError, match="env VIME_RL_KERNEL_BACKEND: None vs 'suites.e2e.backend:make'"):
+        check_arms_differ_only_by_switch(base, undeclared, spec.kernel_switch)
+    shadowing = ArmCommand(**{**kern.__dict__, "arm_env": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}})
+    with pytest.raises(ArmMismatchError, match=r"kernels arm env \[.CUDA_DEVICE_MAX_CONNECTIONS.\] overrides variables the engine sets"):
+        check_arms_differ_only_by_switch(base, shadowing, spec.kernel_switch)
 
 
 def test_ci_test_with_fault_tolerance_is_refused(tmp_path):
@@ -153,7 +194,10 @@ def test_ci_test_with_fault_tolerance_is_refused(tmp_path):
 
 @pytest.mark.parametrize("mutate, field", [
     (lambda r: r.pop("vime"), "the 'vime' section is missing"),
-    (lambda r: r.update(trl={}), "remove the 'trl' section"),
+    (lambda r: r.update(trl={}), "trl: engine is 'vime': remove the 'trl' section"),
+    (lambda r: r.update(engine="verl"), "engine: unknown engine 'verl' (known: trl, vime)"),
+    (lambda r: r["vime"].update(checkpoint_mode="fp8"), "vime.checkpoint_mode: Input should be 'bridge' or"),
+    (lambda r: r["arms"]["kernels"].update(env={"VIME_RL_KERNEL": "0"}), "arms.kernels.env sets kernel switch"),
     (lambda r: r["parallelism"].update(tensor=3), "does not divide"),
     (lambda r: r["hardware"].update(gpus=16), "hardware.gpus = 16"),
     (lambda r: r["window"].update(skip_warmup_rollouts=99), "leaves no rollout"),
@@ -176,13 +220,19 @@ def test_extra_args_must_not_repeat_generated_flags():
     raw = _raw()
     raw["vime"]["extra_args"] = ["--seed", "7"]
     with pytest.raises(SpecError, match=r"repeats flags the spec generates: \['--seed'\]"):
-        vime_engine.arm_commands(ABSpec.model_validate(raw), "live")
+        vime_commands.arm_commands(ABSpec.model_validate(raw), "live")
 
 
 def test_placeholders_expand_or_name_the_missing_variable():
     assert expand_placeholders("${A}/x", {"A": "/m"}, what="t") == "/m/x"
     with pytest.raises(SpecError, match=r"RLK_MODELS is not set"):
         expand_placeholders("${RLK_MODELS}/Qwen3-4B", {}, what="model")
+
+
+def test_the_run_dir_placeholder_is_never_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RLK_RUN_DIR", "/elsewhere")
+    text = plan_text(load_spec(TRL_SPECS[0]))
+    assert "/elsewhere" not in text and f"--out '{RUN_DIR}/live/baseline'" in text
 
 
 def test_unknown_spec_name_lists_the_shipped_ones(capsys):

@@ -9,7 +9,7 @@ import pytest
 from pytest_rlk.e2e.tensorboard import (
     TensorBoardError, TensorBoardScalars, crc32c, cross_check, read_event_file, read_scalars,
 )
-from pytest_rlk.e2e.vime_log import parse_vime_log
+from pytest_rlk.e2e.engines.vime.log import parse_vime_log
 
 FIXTURE = "vime_tb.tfevents.fixture"  # written by tensorboard's EventFileWriter (simple_value + tensor)
 

@@ -8,7 +8,12 @@ The MoE case (55-70 s) runs through `rlk e2e run`, proving the CLI hands TRL spe
 the GPU case (larger model, bf16) records the h100 baseline of the kernel arm's metrics.
 
 Fast checks of the integration itself (patch/unpatch, parity with TRL's own fused LM head, the
-perturbation guard) and of the engine's input validation run in-process.
+perturbed backend) and of the engine's input validation run in-process.
+
+The perturbed arm is an extra arm of the runner (`ExtraArm`): a variant of the spec with fewer
+rollouts whose kernel arm declares its own environment (`arms.kernels.env`): it selects the
+test-only backend suites/e2e/perturbed_logp_backend.py (rlk-triton plus a log-prob bias) by its
+dotted path. Neither the engine nor the product knows of it.
 """
 
 from __future__ import annotations
@@ -21,22 +26,26 @@ import pytest
 pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
 pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
 
+import perturbed_logp_backend as perturbed_backend  # noqa: E402
 import torch  # noqa: E402
 
 from pytest_rlk.e2e import metrics as m  # noqa: E402
-from pytest_rlk.e2e.engines import trl_engine  # noqa: E402
 from pytest_rlk.e2e.engines.task import TARGET_WORDS, make_prompts, repeat_reward  # noqa: E402
-from pytest_rlk.e2e.spec import SPECS_DIR, load_spec  # noqa: E402
+from pytest_rlk.e2e.engines.trl.series import METRICS_FILE, read_series  # noqa: E402
+from pytest_rlk.e2e.outcome import ABRun, ExtraArm, gate_arms, load_ab_run, write_run_report  # noqa: E402
+from pytest_rlk.e2e.runner import run_ab  # noqa: E402
+from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError, load_spec  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DENSE_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-cpu.json"
 MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
 SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
-PERTURB_BIAS = 0.1  # log-prob units; the logprob-diff band is abs 0.02
 PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
+PERTURBED = "kernels_perturbed"
+# The perturbed kernel arm's environment: a backend that adds LOGP_BIAS to every log-prob.
+PERTURB_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed_backend.DOTTED_PATH}
 
 
-def _record_arm_metrics(rlk_metrics, run: trl_engine.TrlAbRun, *, gate_speed: bool) -> None:
+def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
     """Per-arm series into the run record; the kernel arm's gate against the stored baselines."""
     spec = run.spec
     rlk_metrics.set_case(spec.case)
@@ -44,7 +53,7 @@ def _record_arm_metrics(rlk_metrics, run: trl_engine.TrlAbRun, *, gate_speed: bo
     rlk_metrics.set_seed("rollout_seed", spec.seeds.rollout_seed)
     skip = spec.window.skip_warmup_rollouts
     for key in ("baseline", "kernels"):
-        series = run.series[key]
+        series = run.arm(key).series
         for name, values in sorted(series.items()):
             policy = m.E2E_METRICS.get(name)
             if policy is None:
@@ -54,18 +63,18 @@ def _record_arm_metrics(rlk_metrics, run: trl_engine.TrlAbRun, *, gate_speed: bo
                 gated = key == "kernels" and gate_speed
             rlk_metrics.record(
                 f"{key}.{name}", values, unit=policy.unit, direction=policy.direction, space=policy.space,
-                tags={"arm": run.commands[key].label, "engine": "trl"}, gate=gated,
+                tags={"arm": run.arm(key).label, "engine": "trl"}, gate=gated,
                 band=policy.band, window={"skip": skip, "agg": policy.agg},
             )
-    rlk_metrics.record_fallbacks(run.run_info["kernels"]["fallback_counts"])
+    rlk_metrics.record_fallbacks(run.arm("kernels").info["fallback_counts"])
 
 
-def _assert_real_kernel_arm(run: trl_engine.TrlAbRun, key: str = "kernels") -> None:
-    info, base = run.run_info[key], run.run_info["baseline"]
+def _assert_real_kernel_arm(run: ABRun, key: str = "kernels", backend: str = "rlk-triton") -> None:
+    info, base = run.arm(key).info, run.arm("baseline").info
     assert info["kernels_installed"] and not base["kernels_installed"]
     assert info["patched"] == "trl.trainer.utils._ChunkedLogProbFunction"
-    assert info["patched_calls"]["lm_head_logp"] >= 2 * run.spec.hyperparameters.num_rollout
-    assert info["backend_id"].startswith("rlk-triton/"), info["backend_id"]
+    assert info["patched_calls"]["lm_head_logp"] >= 2 * run.arm(key).spec.hyperparameters.num_rollout
+    assert info["backend_id"].startswith(backend + "/"), info["backend_id"]
     assert info["fallback_counts"] == {} and info["env"].get("VIME_RL_KERNEL_STRICT") == "1"
     assert info["initial_weights_digest"] == base["initial_weights_digest"]
 
@@ -75,19 +84,27 @@ def _assert_real_kernel_arm(run: trl_engine.TrlAbRun, key: str = "kernels") -> N
 # ------------------------------------------------------------------------------------------
 
 
+def _perturbed_variant(spec: ABSpec) -> ABSpec:
+    raw = spec.model_dump(mode="json")
+    raw["hyperparameters"]["num_rollout"] = PERTURB_ROLLOUTS
+    label = f"{spec.arms.kernels.label} (test-only log-prob bias {perturbed_backend.LOGP_BIAS:g})"
+    raw["arms"]["kernels"] = {"label": label, "env": PERTURB_ENV}
+    return ABSpec.model_validate(raw)
+
+
 @pytest.fixture(scope="module")
-def dense_cpu_ab(tmp_path_factory) -> trl_engine.TrlAbRun:
+def dense_cpu_ab(tmp_path_factory) -> ABRun:
     out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
-    return trl_engine.run_ab(
-        DENSE_CPU, out, repo_root=REPO_ROOT, perturb_bias=PERTURB_BIAS, perturb_rollouts=PERTURB_ROLLOUTS
-    )
+    spec = load_spec(DENSE_CPU)
+    return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))])
 
 
 @pytest.mark.cpu
 @pytest.mark.tiny
 def test_trl_cpu_ab_gate_passes(dense_cpu_ab, rlk_metrics):
     run = dense_cpu_ab
-    verdict = trl_engine.gate_ab(run)
+    verdict = gate_arms(run)
+    assert run.passed and verdict.passed == run.verdict.passed
     _record_arm_metrics(rlk_metrics, run, gate_speed=False)
     rlk_metrics.record("ab_wall_s", run.wall_s, unit="s", direction="lower_is_better", space="time", gate=False)
     assert verdict.passed, verdict.failures()
@@ -95,10 +112,10 @@ def test_trl_cpu_ab_gate_passes(dense_cpu_ab, rlk_metrics):
     assert {m.RAW_REWARD, m.ABS_DIFF, m.KL_LOSS, m.FALLBACK_COUNT} <= gated
     _assert_real_kernel_arm(run)
     # The kernel arm really computed the log-probs the loss used: equal to the rollout path to fp32 noise.
-    assert max(run.series["kernels"][m.ABS_DIFF]) < 1e-4
+    assert max(run.arm("kernels").series[m.ABS_DIFF]) < 1e-4
     # The task is learnt: raw_reward rises from its random-init level in both arms.
     for key in ("baseline", "kernels"):
-        reward = run.series[key][m.RAW_REWARD]
+        reward = run.arm(key).series[m.RAW_REWARD]
         assert sum(reward[-6:]) / 6 > sum(reward[:4]) / 4 + 0.05, (key, reward)
 
 
@@ -106,13 +123,15 @@ def test_trl_cpu_ab_gate_passes(dense_cpu_ab, rlk_metrics):
 @pytest.mark.tiny
 def test_trl_cpu_ab_perturbed_kernel_arm_fails_gate(dense_cpu_ab):
     run = dense_cpu_ab
-    assert run.run_info[trl_engine.PERTURBED]["test_perturbation_logp"] == PERTURB_BIAS
-    assert run.run_info["kernels"]["test_perturbation_logp"] == 0.0
-    assert len(run.series[trl_engine.PERTURBED][m.RAW_REWARD]) == PERTURB_ROLLOUTS
+    perturbed = run.arm(PERTURBED)
+    assert {k: perturbed.info["env"].get(k) for k in PERTURB_ENV} == PERTURB_ENV
+    assert not set(PERTURB_ENV) & set(run.arm("kernels").info["env"])
+    _assert_real_kernel_arm(run, PERTURBED, backend=perturbed_backend.BACKEND_ID)
+    assert len(perturbed.series[m.RAW_REWARD]) == PERTURB_ROLLOUTS
     # Same seeds: until the bias matters, the perturbed arm trains exactly like the kernel arm.
-    expected = run.series["kernels"][m.RAW_REWARD][:PERTURB_ROLLOUTS]
-    assert run.series[trl_engine.PERTURBED][m.RAW_REWARD] == pytest.approx(expected, abs=1e-3)
-    verdict = trl_engine.gate_ab(run, trl_engine.PERTURBED)
+    expected = run.arm("kernels").series[m.RAW_REWARD][:PERTURB_ROLLOUTS]
+    assert perturbed.series[m.RAW_REWARD] == pytest.approx(expected, abs=1e-3)
+    verdict = gate_arms(run, kernels_key=PERTURBED)
     assert not verdict.passed
     failed = {c.name for c in verdict.gate.regressions}
     assert failed & {m.ABS_DIFF, m.RAW_REWARD}, verdict.failures()
@@ -122,8 +141,7 @@ def test_trl_cpu_ab_perturbed_kernel_arm_fails_gate(dense_cpu_ab):
 @pytest.mark.tiny
 def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk_metrics):
     run = dense_cpu_ab
-    paths = trl_engine.write_ab_report(run, trl_engine.gate_ab(run), rlk_metrics.artifact_dir / "report",
-                                       repo_root=REPO_ROOT)
+    paths = write_run_report(run, rlk_metrics.artifact_dir / "report")
     names = {p.name for p in paths.plots}
     assert {"step_time_mean.png", "step_time_steps.png", "module_breakdown.png", "reward_absdiff.png"} <= names
     for plot in paths.plots:
@@ -148,11 +166,14 @@ def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metric
 
     out = tmp_path / "run"
     assert rlk_main(["e2e", "run", MOE_CPU.stem, "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert f"A/B {MOE_CPU.stem} on cpu: PASS" in printed and f"report: {out / 'report' / 'report.md'}" in printed
+    printed = capsys.readouterr()
+    assert f"A/B {MOE_CPU.stem} on cpu: PASS" in printed.out and f"report: {out / 'report' / 'report.md'}" in printed.out
+    # progress while the arms ran: every rollout of both arms, with its reward
+    for arm in ("trl", "trl+kernels"):
+        assert f"[{arm}] rollout 16/16: raw_reward " in printed.err and f"[{arm}] succeeded in " in printed.err
     assert json.loads((out / "ab_result.json").read_text())["passed"]
-    run = trl_engine.load_ab_run(MOE_CPU, out)
-    verdict = trl_engine.gate_ab(run)
+    run = load_ab_run(out)
+    verdict = gate_arms(run)
     _record_arm_metrics(rlk_metrics, run, gate_speed=False)
     assert verdict.passed, verdict.failures()
     _assert_real_kernel_arm(run)
@@ -162,14 +183,14 @@ def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metric
 
 @pytest.mark.h100
 def test_trl_h100_ab_records_baseline(tmp_path, rlk_metrics):
-    run = trl_engine.run_ab(SMALL_H100, tmp_path, repo_root=REPO_ROOT)
-    verdict = trl_engine.gate_ab(run)
+    run = run_ab(load_spec(SMALL_H100), tmp_path)
+    verdict = gate_arms(run)
     _record_arm_metrics(rlk_metrics, run, gate_speed=True)
-    paths = trl_engine.write_ab_report(run, verdict, rlk_metrics.artifact_dir / "report", repo_root=REPO_ROOT)
+    paths = write_run_report(run, rlk_metrics.artifact_dir / "report")
     assert paths.markdown.exists()
     assert verdict.passed, verdict.failures()
     _assert_real_kernel_arm(run)
-    assert m.PEAK_VRAM in run.series["kernels"]
+    assert m.PEAK_VRAM in run.arm("kernels").series
 
 
 # ------------------------------------------------------------------------------------------
@@ -247,39 +268,62 @@ def test_patched_path_is_what_grpo_model_forward_uses(monkeypatch, tmp_path):
     torch.testing.assert_close(ours.entropy, native.entropy, atol=1e-5, rtol=1e-5)
 
 
-def test_perturbation_is_refused_without_the_allow_switch(monkeypatch):
-    from kernels.integrations import trl as integration
+def test_perturbed_backend_is_rlk_triton_plus_the_bias(monkeypatch):
+    """The backend the perturbed arm selects by dotted path: rlk-triton's log-probs + LOGP_BIAS,
+    dispatched like any backend (strict: no fallback), and nothing but logp."""
+    import kernels
+    from kernels.backends import get_backend
 
-    monkeypatch.setenv(integration.PERTURB_ENV, "0.1")
-    monkeypatch.delenv(integration.ALLOW_PERTURB_ENV, raising=False)
-    with pytest.raises(ValueError, match="RLK_ALLOW_TEST_PERTURBATION=1"):
-        integration.install()
-    assert not integration.is_installed()
-    monkeypatch.setenv(integration.ALLOW_PERTURB_ENV, "1")
-    assert integration.test_perturbation_bias() == 0.1
-    monkeypatch.setenv(integration.PERTURB_ENV, "lots")
-    with pytest.raises(ValueError, match="RLK_TEST_PERTURB_LOGP='lots' is not a number"):
-        integration.test_perturbation_bias()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when kernels.ops is first imported
+    hidden, weight, targets = _lm_head_case()
+    logits = torch.nn.functional.linear(hidden, weight).detach()
+    reason = get_backend("rlk-triton").supports("logp", device=logits.device)
+    if reason is not None:
+        pytest.skip(f"rlk-triton cannot run here: {reason}")
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton")
+    expected = kernels.logp(logits, targets)
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", perturbed_backend.DOTTED_PATH)
+    assert kernels.backend_id().startswith(perturbed_backend.BACKEND_ID + "/")
+    perturbed = kernels.logp(logits, targets)
+    torch.testing.assert_close(perturbed, expected + perturbed_backend.LOGP_BIAS, atol=1e-6, rtol=0)
+    with pytest.raises(kernels.KernelFallbackError, match="does not implement ratio_kl"):
+        kernels.ratio_kl(expected, expected, expected, torch.ones_like(expected))
 
 
 def test_rlk_e2e_run_of_a_trl_spec_refuses_vime_only_options(capsys):
     from pytest_rlk.cli import main as rlk_main
 
     assert rlk_main(["e2e", "run", DENSE_CPU.stem, "--vime-root", "/v", "--mode", "local"]) == 2
-    assert "engine 'trl' does not take --vime-root, --mode" in capsys.readouterr().err
+    assert "engine 'trl' does not take --vime-root, --mode (options of engine vime)" in capsys.readouterr().err
 
 
 def test_rlk_e2e_run_of_a_trl_spec_fails_clearly_when_an_arm_dies(tmp_path, capsys):
-    """Both arms die at model load (no checkpoint there): exit 1, the arm and its log named."""
+    """Both arms die building the model (a model size it does not know): exit 1, the arm and its
+    log named, everything the arms left kept."""
     from pytest_rlk.cli import main as rlk_main
 
-    spec_path = _spec_with(tmp_path, **{"model.hf_checkpoint": str(tmp_path / "no-model")})
+    spec_path = _spec_with(tmp_path, **{"trl.model_size": {"hidden_size_typo": 64}})
     out = tmp_path / "run"
     assert rlk_main(["e2e", "run", str(spec_path), "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "rlk e2e run: FAILED: trl-qwen3-tiny-dense-cpu:" in err and "trl arm exited with 1" in err
-    assert str(out / "baseline" / trl_engine.LOG_FILE) in err and "no config.json there" in err
-    assert not (out / "ab_result.json").exists()
+    assert "rlk e2e run: FAILED: trl-qwen3-tiny-dense-cpu: A/B trl-qwen3-tiny-dense-cpu: 2 arm failure(s)" in err
+    assert "arm 'trl' (live lane, local mode) failed: exit code 1" in err
+    assert str(out / "live" / "baseline" / "arm.log") in err and "unknown field(s) ['hidden_size_typo']" in err
+    # what the arms left is kept, the report says they failed, and the result says FAIL
+    assert json.loads((out / "ab_result.json").read_text())["passed"] is False
+    assert "### trl (live): failed" in (out / "report" / "report.md").read_text()
+
+
+def test_rlk_e2e_run_refuses_a_checkpoint_that_is_not_there_before_starting(tmp_path, capsys):
+    from pytest_rlk.cli import main as rlk_main
+
+    spec_path = _spec_with(tmp_path, **{"model.hf_checkpoint": str(tmp_path / "no-model")})
+    assert rlk_main(["e2e", "run", str(spec_path), "--out", str(tmp_path / "run")]) == 2
+    assert f"model.hf_checkpoint {str(tmp_path / 'no-model')!r}: no config.json there" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_reward_is_verifiable():
@@ -309,7 +353,8 @@ def _spec_with(tmp_path: Path, **changes) -> Path:
     [
         ({"hyperparameters.kl_loss_type": "low_var_kl"}, "kl_loss_type must be 'k3'"),
         ({"dataset.prompt_data": "gsm8k.jsonl"}, "dataset.prompt_data must be 'synthetic:repeat'"),
-        ({"trl.dtype": "fp8"}, "trl.dtype"),
+        ({"trl.dtype": "fp8"}, "trl.dtype: Input should be 'float32' or 'bfloat16'"),
+        ({"lanes": ["replay", "live"]}, r"lanes must be \['live'\] for engine 'trl'"),
         ({"trl.model_size": {"hidden": 3}}, None),
         ({"hyperparameters.global_batch_size": 8}, "global_batch_size"),
     ],
@@ -322,13 +367,14 @@ def test_bad_trl_spec_is_refused_naming_the_field(tmp_path, change, message):
         with pytest.raises(ValueError, match="unknown field"):
             TinyModelSize.from_dict(change["trl.model_size"])
         return
-    with pytest.raises(ValueError, match=message):
-        trl_engine.TrlArmConfig.from_spec(load_spec(path), where=str(path))
+    with pytest.raises(SpecError, match=message) as info:
+        load_spec(path)
+    assert str(path) in str(info.value)
 
 
-def test_read_arm_series_rejects_ragged_lines(tmp_path):
-    (tmp_path / trl_engine.METRICS_FILE).write_text(
+def test_read_series_rejects_ragged_lines(tmp_path):
+    (tmp_path / METRICS_FILE).write_text(
         json.dumps({"step": 0, "raw_reward": 0.1, "loss": 0.0}) + "\n" + json.dumps({"step": 1, "raw_reward": 0.2}) + "\n"
     )
     with pytest.raises(ValueError, match="line 2 has metrics"):
-        trl_engine.read_arm_series(tmp_path)
+        read_series(tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pytest_rlk.e2e import metrics as m
-from pytest_rlk.e2e.ab import run_ab
+from pytest_rlk.e2e.runner import run_ab
 from pytest_rlk.e2e.spec import load_spec, matrix_spec_paths
 
 _MARK = re.compile(r"^([a-z0-9_]+)(?:\((\d+)\))?$")
@@ -51,8 +51,8 @@ def test_vime_ab(spec_path: Path, request, rlk_metrics, monkeypatch):
     if model_root:
         monkeypatch.setenv("RLK_MODELS", str(model_root))
     spec = load_spec(spec_path)
-    run = run_ab(spec, vime_root=Path(vime_root), out_dir=rlk_metrics.artifact_dir / "ab", mode="ray",
-                 ray_bin=os.environ.get("RLK_RAY_BIN", "ray"))
+    run = run_ab(spec, rlk_metrics.artifact_dir / "ab",
+                 options={"vime_root": str(vime_root), "mode": "ray", "ray_bin": os.environ.get("RLK_RAY_BIN", "ray")})
     rlk_metrics.set_case(spec.case)
     for (lane, role), outcome in run.arms.items():
         for name in (m.STEP_TIME, m.RAW_REWARD, m.ABS_DIFF):

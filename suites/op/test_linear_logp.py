@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -193,7 +197,7 @@ def test_kept_logits_match_recompute(monkeypatch, path, kept):
 
 
 def test_bad_save_logits_setting_is_an_error(monkeypatch):
-    monkeypatch.setenv(op_module.SAVE_LOGITS_ENV, "yes")
+    monkeypatch.setenv(op_module.SAVE_LOGITS_ENV, "sometimes")
     leaves, ids = _inputs(torch.float32, T=8, H=16, V=40)
     with pytest.raises(ValueError, match=op_module.SAVE_LOGITS_ENV):
         linear_logp(leaves[0], leaves[1], ids, leaves[2])
@@ -287,7 +291,7 @@ def test_dispatch_serves_linear_logp_from_the_triton_backend(triton_strict):
     hidden, weight, bias = leaves
     backend, impl = kernels.dispatch.select("linear_logp", device=hidden.device, dtype=hidden.dtype,
                                             shape=tuple(hidden.shape), temperature=1.0, tp_world=1)
-    assert backend.id == "rlk-triton" and impl is linear_logp
+    assert backend.id == "rlk-triton" and impl is linear_logp.run
     got = kernels.linear_logp(hidden, weight, ids, bias)
     want = reference_linear_logp(hidden, weight, ids, bias)
     tolerances.assert_close(got, want, "linear_logp", torch.float32, name="kernels.linear_logp")
@@ -300,6 +304,41 @@ def test_never_materializes_full_logits_workspace_bound():
         need = op_module.planned_workspace_bytes(*ISSUE_SHAPE, dtype)
         assert need <= budget, f"{dtype}: workspace {need / 1e6:.0f} MB > 256 MB"
         assert need < 4096 * 151936 * 2, "workspace must be far below one [T, V] bf16 logits buffer"
+
+
+def test_public_api_passes_the_workspace_budget_to_the_kernels(triton_strict):
+    """``kernels.linear_logp(..., workspace_bytes=)`` (the contract's argument, through dispatch) reaches
+    the op's plan: a budget below one chunk is the op's error, not ignored; a bad one the contract's."""
+    leaves, ids = _inputs(torch.float32, T=8, H=16, V=40)
+    with pytest.raises(ValueError, match=r"workspace_bytes=1000 is below the \d+ bytes linear_logp needs"):
+        kernels.linear_logp(leaves[0], leaves[1], ids, leaves[2], workspace_bytes=1000)
+    with pytest.raises(ValueError, match="workspace_bytes must be a positive int"):
+        kernels.linear_logp(leaves[0], leaves[1], ids, leaves[2], workspace_bytes=-1)
+
+
+def _ptxas_missing() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(90).path  # noqa: B018 - raises when Triton's CUDA backend has no ptxas
+    except Exception as exc:  # noqa: BLE001 - any failure to find the tool is the skip's reason
+        return f"Triton's CUDA backend cannot compile here (no ptxas: {exc})"
+    return None
+
+
+@pytest.mark.skipif(_ptxas_missing() is not None, reason=str(_ptxas_missing()))
+def test_triton_kernels_compile_for_sm_90a():
+    """Every Triton kernel of the op in its GPU configs (TMA descriptors, 128x256 tiles) compiles for
+    sm_90a with the installed Triton, no GPU needed: the interpreter runs kernels the GPU compiler
+    can still reject. A real process, without TRITON_INTERPRET (which this tier sets)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run([sys.executable, str(root / "suites/op/probe_linear_logp.py"), "--compile-check"],
+                          check=False, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    compiled = [line for line in proc.stdout.splitlines() if line.startswith(("ok ", "FAILED "))]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(compiled) >= 11 and all(line.startswith("ok ") for line in compiled), proc.stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,7 +514,8 @@ def test_provider_strict_raises_with_reason(case):
 
 
 @pytest.mark.parametrize("mode", ["auto", "strict"])
-def test_provider_result_contract(mode):
+def test_provider_result_contract(triton_strict, mode):
+    """A served request runs the public op through dispatch: here the kernels (strict, no fallback)."""
     request = _request(mode)
     result = provider.provide(request)
     ctx = request.context
@@ -483,7 +523,8 @@ def test_provider_result_contract(mode):
     assert result.log_probs.shape == (24, 1) and result.log_probs.dtype == torch.float32
     assert result.log_probs.device == ctx.hidden_states.device
     assert result.log_probs.requires_grad and result.log_probs.grad_fn is not None
-    assert result.backend_id == provider.BACKEND_ID and result.contract_id == provider.CONTRACT_ID
+    assert result.backend_id == provider.BACKEND_ID == kernels.backend_id()
+    assert result.contract_id == provider.CONTRACT_ID
     assert result.entropy is None and result.provenance["op"] == "linear_logp"
     want = reference_linear_logp(ctx.hidden_states, ctx.projection.weight, request.target_ids,
                                  ctx.projection.bias, 0.7)

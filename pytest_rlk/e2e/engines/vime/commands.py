@@ -15,13 +15,17 @@ Lanes:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
-from pytest_rlk.e2e.spec import ABSpec, ArmCommand, Lane, SpecError, VimeSettings
+from pytest_rlk.e2e.arms import ArmCommand
+from pytest_rlk.e2e.engines.vime.settings import VimeSettings
+from pytest_rlk.e2e.placeholders import RUN_DIR_PLACEHOLDER
+from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane, SpecError
 
-# Placeholders `plan` prints where a run substitutes real paths.
+# What `plan` prints where no --vime-root was given.
 VIME_ROOT_PLACEHOLDER = "${VIME_ROOT}"
-RUN_DIR_PLACEHOLDER = "${RLK_RUN_DIR}"
+SUITE_ROOT = str(Path(__file__).resolve().parents[4])
 DETERMINISM_ENV = {
     "NCCL_ALGO": "Ring",
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
@@ -44,9 +48,9 @@ _GENERATED_FLAGS = frozenset({
 
 
 def _settings(spec: ABSpec) -> VimeSettings:
-    if spec.engine != "vime" or spec.vime is None:
+    if not isinstance(spec.settings, VimeSettings):
         raise SpecError(f"{spec.case}: engine is {spec.engine!r}, not vime")
-    return spec.vime
+    return spec.settings
 
 
 def shared_train_args(spec: ABSpec) -> list[str]:
@@ -116,18 +120,16 @@ def shared_env(spec: ABSpec, *, vime_root: str, suite_root: str) -> dict[str, st
     return {**env, **vime.env}
 
 
-def arm_dir(run_dir: str, lane: Lane, role: str) -> str:
-    return f"{run_dir}/{lane}/{role}"
-
-
 def arm_commands(spec: ABSpec, lane: Lane, *, vime_root: str = VIME_ROOT_PLACEHOLDER,
-                 suite_root: str | None = None, run_dir: str = RUN_DIR_PLACEHOLDER,
-                 python: str = "python3", entry: str | None = None) -> tuple[ArmCommand, ArmCommand]:
-    """(baseline, kernels) for `lane`. `entry` overrides the script (tests pass the stand-in)."""
+                 suite_root: str = SUITE_ROOT, run_dir: str = RUN_DIR_PLACEHOLDER,
+                 dirs: Mapping[ArmRole, str] | None = None, python: str = "python3",
+                 entry: str | None = None) -> tuple[ArmCommand, ArmCommand]:
+    """(baseline, kernels) for `lane`; each arm writes under its `dirs[role]` (default
+    RUN_DIR/lane/role). `entry` overrides the script (tests pass the stand-in)."""
     vime = _settings(spec)
     if lane not in spec.lanes:
         raise SpecError(f"{spec.case}: lane {lane!r} is not in the spec's lanes {spec.lanes}")
-    suite_root = suite_root or str(Path(__file__).resolve().parents[2])
+    dirs = dirs or {role: f"{run_dir}/{lane}/{role}" for role in ("baseline", "kernels")}
     script = entry or vime.entry
     prefix = [python, script]
     if vime.model_args_script:
@@ -145,10 +147,11 @@ def arm_commands(spec: ABSpec, lane: Lane, *, vime_root: str = VIME_ROOT_PLACEHO
     for role in ("baseline", "kernels"):
         switch_args = list(spec.kernel_switch.args) if role == "kernels" else []
         switch_env = dict(spec.kernel_switch.env) if role == "kernels" else {}
-        output_env = {"TENSORBOARD_DIR": f"{arm_dir(run_dir, lane, role)}/tensorboard"} if vime.use_tensorboard else {}
+        output_env = {"TENSORBOARD_DIR": f"{dirs[role]}/tensorboard"} if vime.use_tensorboard else {}
         commands.append(ArmCommand(
             role=role, label=spec.arm_label(role), lane=lane,
             argv=[*prefix, *args, *lane_args[role], *switch_args],
             env={**env, **switch_env}, lane_args=lane_args[role], output_env=output_env, workdir=vime_root,
+            arm_env=dict(getattr(spec.arms, role).env),
         ))
     return commands[0], commands[1]

@@ -202,6 +202,12 @@ def parse_metric_dict(text: str) -> dict[str, float]:
     return out
 
 
+def metric_line(raw: str) -> tuple[str, int, str] | None:
+    """(kind, index, dict text) of a metric line (`rollout 3: {...}` behind any prefix), else None."""
+    match = _METRIC_LINE.match(_strip(raw))
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+
+
 def parse_vime_lines(lines: Iterable[str], *, strict: bool = False) -> VimeLog:
     log = VimeLog()
     for lineno, raw in enumerate(lines, start=1):

@@ -1,0 +1,51 @@
+"""The spec's `trl` section (TRL-engine settings shared by both arms) and its checks against the
+rest of the spec: what the TRL lane can run (one process, one optimizer step per rollout, TRL's
+k3 KL, the synthetic task)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pytest_rlk.e2e.spec import ABSpec, EngineSettings
+
+TINY_PREFIX = "tiny:"
+SYNTHETIC_TASK = "synthetic:repeat"
+
+
+class TrlSettings(EngineSettings):
+    model_size: dict[str, int] = Field(
+        default_factory=dict, description="TinyModelSize fields (tiny models only; checked when the model is built)."
+    )
+    extra_vocab: int = Field(default=0, ge=0, description="Filler words added to the tokenizer (a wider vocab).")
+    num_prompts: int = Field(default=256, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    logprob_diff: bool = Field(default=True, description="Record train_rollout_logprob_abs_diff each step.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for both arms.")
+
+    def check_spec(self, spec: ABSpec) -> None:
+        hp, par = spec.hyperparameters, spec.parallelism
+        if spec.lanes != ["live"]:
+            raise ValueError(f"lanes must be ['live'] for engine 'trl' (it has no replay lane), got {spec.lanes}")
+        if spec.dataset.prompt_data != SYNTHETIC_TASK:
+            raise ValueError(f"dataset.prompt_data must be {SYNTHETIC_TASK!r} (the only TRL-lane task)")
+        if hp.global_batch_size != hp.rollout_batch_size * hp.n_samples_per_prompt:
+            raise ValueError(
+                f"hyperparameters.global_batch_size ({hp.global_batch_size}) must equal "
+                "rollout_batch_size * n_samples_per_prompt (one optimizer step per rollout in the TRL lane)"
+            )
+        if hp.use_kl_loss and hp.kl_loss_type != "k3":
+            raise ValueError(
+                f"hyperparameters.kl_loss_type must be 'k3' (TRL's KL is the unclamped k3), got {hp.kl_loss_type!r}"
+            )
+        if (par.tensor, par.pipeline, par.context, par.expert) != (1, 1, 1, 1):
+            raise ValueError("parallelism must be all 1 in the TRL lane (single process)")
+        if spec.model.hf_checkpoint.startswith(TINY_PREFIX):
+            kind = spec.model.hf_checkpoint[len(TINY_PREFIX):]
+            if (kind == "moe") != spec.model.moe:
+                raise ValueError(f"model.moe = {spec.model.moe} but hf_checkpoint is {spec.model.hf_checkpoint!r}")
+        if self.device == "cpu" and spec.hardware.platform != "cpu":
+            raise ValueError(f"trl.device 'cpu' with hardware.platform {spec.hardware.platform!r}")

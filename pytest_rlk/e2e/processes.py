@@ -1,0 +1,109 @@
+"""Processes the launcher starts: each in a session of its own, ended by session id only.
+
+vime's own test helper kills by broad name and runs `ray stop --force`, which would end other
+users' clusters on a shared host. Here every process the launcher starts leads a new session
+(`start_new_session=True`, so the session id is its pid); `end_session` finds that session's
+processes through /proc and ends exactly those (SIGTERM, a grace period, SIGKILL), nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+TAIL_LINES = 60
+
+
+class LaunchError(RuntimeError):
+    """A Ray head or an arm could not run; the message names the log file and its tail."""
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    if not path.exists():
+        return f"<{path} was not written>"
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        return "".join(deque(fh, maxlen=lines)).rstrip("\n")
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct ports free on `host` now (all held open together while choosing)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def session_pids(session_id: int) -> list[int]:
+    """PIDs whose session id is `session_id` (Linux /proc), excluding this process."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        # After ")" the fields are: state ppid pgrp session ...
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _wait_session_empty(leader: subprocess.Popen, sid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if leader.poll() is not None and not session_pids(sid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0, leader_first_s: float = 0.0) -> list[int]:
+    """End every process of the session `leader` started (it was started with
+    start_new_session=True, so the session id is its pid): SIGTERM, wait, SIGKILL. Returns the
+    pids that were signalled. Touches nothing outside that session.
+
+    `leader_first_s` > 0: SIGTERM the leader alone first and give it that long to end its own
+    children in order (`ray start --block` does: ~6 s, where SIGTERM to every Ray process at once
+    leaves the raylet respawning agents and waiting on the dead GCS for 30 s and more); whatever is
+    left then gets the SIGTERM / `grace_s` / SIGKILL sequence.
+    """
+    sid = leader.pid
+    signalled: set[int] = set()
+    if leader_first_s > 0 and leader.poll() is None:
+        signalled.add(sid)
+        _signal([sid], signal.SIGTERM)
+        if _wait_session_empty(leader, sid, leader_first_s):
+            leader.wait()
+            return sorted(signalled)
+    rest = sorted(set(session_pids(sid)) | ({sid} if leader.poll() is None else set()))
+    signalled.update(rest)
+    _signal(rest, signal.SIGTERM)
+    _wait_session_empty(leader, sid, grace_s)
+    _signal(session_pids(sid), signal.SIGKILL)
+    try:
+        leader.wait(timeout=10)
+    except subprocess.TimeoutExpired as exc:
+        raise LaunchError(f"pid {sid} survived SIGKILL") from exc
+    return sorted(signalled)
