@@ -235,9 +235,17 @@ LINEAR_LOGP_TMA = _declare(Setting(
     "RLK_LINEAR_LOGP_TMA", parse_flag, True,
     "Use the persistent TMA kernel for bf16/fp16 on Hopper or newer; off: the pointer kernels.",
     readers=("kernels/ops/linear_logp.py",)))
-LINEAR_LOGP_SAVE_CHUNK = _declare(Setting(
-    "RLK_LINEAR_LOGP_SAVE_CHUNK", parse_flag, True,
-    "The forward keeps the first backward chunk's exponentials, so the backward recomputes one chunk fewer.",
+LINEAR_LOGP_SAVE_LOGITS = _declare(Setting(
+    "RLK_LINEAR_LOGP_SAVE_LOGITS", parse_flag, True,
+    "The forward keeps as many logits (as exponentials) as the workspace budget holds, so the backward "
+    "recomputes only the rest; off: it keeps none and the backward recomputes them all.",
+    readers=("kernels/ops/linear_logp.py",)))
+LINEAR_LOGP_WORKSPACE_BYTES = _declare(Setting(
+    "RLK_LINEAR_LOGP_WORKSPACE_BYTES", parse_positive_int, None,
+    "The memory linear_logp may hold beyond its inputs, output and gradients, in bytes, where a call "
+    "passes no `workspace_bytes`; unset: 256000000, raised where the shape needs more for chunks of 4096 "
+    "vocab columns. The logits' size (T x V x 2 bytes, 16-bit inputs) plus ~2% keeps them all: "
+    "forward+backward in three matrix products instead of four.",
     readers=("kernels/ops/linear_logp.py",)))
 LINEAR_LOGP_GROUP_T = _declare(Setting(
     "RLK_LINEAR_LOGP_GROUP_T", parse_positive_int, None,

@@ -7,7 +7,12 @@ import math
 import pytest
 
 from pytest_rlk.e2e import metrics as m
-from pytest_rlk.e2e.engines.vime.log import VimeLogError, parse_metric_dict, parse_vime_lines, parse_vime_log
+from pytest_rlk.e2e.engines.vime.log import (
+    VimeLogError,
+    parse_metric_dict,
+    parse_vime_lines,
+    parse_vime_log,
+)
 
 
 def test_baseline_fixture_both_perf_lines_merge_by_key(fixtures_dir):

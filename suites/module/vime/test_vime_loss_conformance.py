@@ -56,7 +56,7 @@ def _run_both(vime_loss, name):
 @pytest.mark.parametrize("name", list(CONFIGURATIONS), ids=list(CONFIGURATIONS))
 def test_custom_loss_equals_vime_native_loss(name, vime_loss, reference_arm, caplog):
     with caplog.at_level(logging.WARNING, logger=adapter.log.name):
-        args, case, native, ours = _run_both(vime_loss, name)
+        _, _, native, ours = _run_both(vime_loss, name)
     fell_back = ours.metrics.get("rlk_fallback", 0.0) > 0.0
     route = "fell back to vime's loss" if fell_back else "claims the configuration"
     tolerances.assert_close(ours.loss, native.loss, "grpo_loss", torch.float32,

@@ -15,10 +15,21 @@ from typing import Any
 
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.arms import ArmCommand
-from pytest_rlk.e2e.engine import ArmLayout, ArmReading, EngineOption, ReportExtras, RunContext, StepProgress
+from pytest_rlk.e2e.engine import (
+    ArmLayout,
+    ArmReading,
+    EngineOption,
+    ReportExtras,
+    RunContext,
+    StepProgress,
+)
 from pytest_rlk.e2e.engines.vime import commands
 from pytest_rlk.e2e.engines.vime.log import (
-    VIME_KEY_MAP, VimeLogError, metric_line, parse_metric_dict, parse_vime_log,
+    VIME_KEY_MAP,
+    VimeLogError,
+    metric_line,
+    parse_metric_dict,
+    parse_vime_log,
 )
 from pytest_rlk.e2e.engines.vime.settings import VimeSettings
 from pytest_rlk.e2e.launcher import ArmResult, LaunchConfig
