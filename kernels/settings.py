@@ -173,7 +173,8 @@ def _declare(setting: Setting[T]) -> Setting[T]:
 # -- which implementation serves an op (kernels/dispatch.py) ------------------------------------
 KERNELS = _declare(Setting(
     "VIME_RL_KERNEL", parse_flag, False,
-    "Run the ops on the kernel backend. Off: every op runs the fp32 reference, and that is not a fallback.",
+    "Run the ops on the kernel backend. Off: every op runs the fp32 reference, and that is not a fallback "
+    "(the vime custom loss then hands its calls to vime's own loss).",
     readers=("kernels/dispatch.py", "kernels/integrations/vime.py", "kernels/integrations/trl.py")))
 OPS = _declare(Setting(
     "VIME_RL_KERNEL_OPS", parse_op_list, None,
@@ -268,8 +269,8 @@ CUDA_CACHE = _declare(Setting(
 # -- integrations and backends -------------------------------------------------------------------
 NATIVE_LOSS = _declare(Setting(
     "VIME_RL_KERNEL_NATIVE_LOSS", parse_text, "vime.backends.megatron_utils.loss:policy_loss_function",
-    "vime's own policy loss (`module:function`), which the vime adapter falls back to for settings it "
-    "cannot serve.",
+    "vime's own policy loss (`module:function`): the vime adapter hands it every call with the kernels off, "
+    "and the calls it cannot compute exactly.",
     readers=("kernels/integrations/vime.py",), read="when used"))
 RL_ENGINE_PATH = _declare(Setting(
     "RLK_RL_ENGINE_PATH", parse_path, None,

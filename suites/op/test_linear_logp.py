@@ -1,4 +1,4 @@
-"""linear_logp parity, vocab-parallel, bad inputs and the vime provider adapter.
+"""linear_logp parity, vocab-parallel and bad inputs (the vime provider: test_linear_logp_provider.py).
 
 Oracle: kernels.reference.linear_logp (fp32 upcast of hidden and weight before the matmul). On CPU the
 Triton kernels run through the interpreter (suites/op/conftest.py sets TRITON_INTERPRET=1 when there
@@ -8,14 +8,12 @@ is no CUDA), so shapes stay small: T <= 64, H <= 64, V <= 1031.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ import torch.multiprocessing as mp
 
 import kernels
 from kernels import tolerances
-from kernels.integrations import linear_logp_provider as provider
 from kernels.ops import INTERPRETED
 from kernels.ops import linear_logp as op_module
 from kernels.ops.linear_logp import linear_logp
@@ -457,110 +454,3 @@ def test_tp_group_requires_global_vocab():
     args = _good()
     with pytest.raises(ValueError, match="global_vocab is required with tp_group"):
         linear_logp(**args, tp_group=object())
-
-
-# --------------------------------------------------------------------------------------------
-# The vime provider adapter (vime itself cannot run here: the request is our contract mirror)
-# --------------------------------------------------------------------------------------------
-
-
-def _request(mode="auto", **overrides):
-    (hidden, weight, bias), ids = _inputs(torch.float32, T=24, H=32, V=100)
-    request = provider.LinearLogpRequest(
-        target_ids=ids,
-        context=provider.LinearLogpContext(
-            hidden_states=hidden,
-            projection=provider.Projection(weight=weight, bias=bias),
-            vocab_partition=provider.VocabPartition(local_start=0, local_size=100, real_vocab_size=100,
-                                                    padded_vocab_size=100),
-        ),
-        temperature=0.7,
-        mode=mode,
-    )
-    for path, value in overrides.items():
-        target = request
-        *parents, leaf = path.split(".")
-        for name in parents:
-            target = getattr(target, name)
-        setattr(target, leaf, value)
-    return request
-
-
-UNSERVABLE = {
-    "entropy": ({"with_entropy": True}, "entropy requested"),
-    "entropy_grad": ({"with_entropy_grad": True}, "entropy requested"),
-    "layout_zigzag": ({"token_layout": provider.TokenLayout(world_size=2, rank=0, layout="zigzag")}, "token layout 'zigzag'"),
-    "weight_missing": ({"context.projection.weight": None}, "LM-head weight unavailable"),
-    "temperature_zero": ({"temperature": 0.0}, "temperature <= 0"),
-    "empty_ids": ({"target_ids": torch.empty(0, dtype=torch.long)}, "target ids are empty"),
-    "sharded_without_tp": ({"context.vocab_partition.padded_vocab_size": 200}, "no TP group"),
-    "ids_past_real_vocab": ({"context.vocab_partition.real_vocab_size": 50}, "past the real vocab size 50"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(UNSERVABLE))
-def test_provider_auto_returns_unavailable_with_reason(case):
-    overrides, reason = UNSERVABLE[case]
-    result = provider.provide(_request("auto", **overrides))
-    assert isinstance(result, provider.LinearLogpUnavailable) and result.available is False
-    assert reason in result.reason
-
-
-@pytest.mark.parametrize("case", sorted(UNSERVABLE))
-def test_provider_strict_raises_with_reason(case):
-    overrides, reason = UNSERVABLE[case]
-    with pytest.raises(provider.LinearLogpProviderUnavailable, match=re.escape(reason)):
-        provider.provide(_request("strict", **overrides))
-
-
-@pytest.mark.parametrize("mode", ["auto", "strict"])
-def test_provider_result_contract(triton_strict, mode):
-    """A served request runs the public op through dispatch: here the kernels (strict, no fallback)."""
-    request = _request(mode)
-    result = provider.provide(request)
-    ctx = request.context
-    assert isinstance(result, provider.LinearLogpResult) and result.available is True
-    assert result.log_probs.shape == (24, 1) and result.log_probs.dtype == torch.float32
-    assert result.log_probs.device == ctx.hidden_states.device
-    assert result.log_probs.requires_grad and result.log_probs.grad_fn is not None
-    assert result.backend_id == provider.BACKEND_ID == kernels.backend_id()
-    assert result.contract_id == provider.CONTRACT_ID
-    assert result.entropy is None and result.provenance["op"] == "linear_logp"
-    want = reference_linear_logp(ctx.hidden_states, ctx.projection.weight, request.target_ids,
-                                 ctx.projection.bias, 0.7)
-    tolerances.assert_close(result.log_probs[:, 0], want, "linear_logp", torch.float32, name="provider log_probs")
-    (grad_w,) = torch.autograd.grad(result.log_probs.sum(), [ctx.projection.weight])
-    assert grad_w.abs().sum() > 0, "log-probs must be connected to the LM-head weight"
-
-
-def test_provider_applies_keep_mask_and_accepts_duck_typed_requests():
-    """The fork's own request objects are read by attribute: a SimpleNamespace stands in for one."""
-    typed = _request()
-    keep = torch.ones(24, dtype=torch.bool, device=DEVICE)
-    keep[::3] = False
-    duck = SimpleNamespace(
-        target_ids=typed.target_ids, tp_group=None, temperature=0.7, chunk_size=4096, keep_mask=keep,
-        with_entropy=False, with_entropy_grad=False, metadata={"mode": "strict", "store_prefix": "ref_"},
-        token_layout=SimpleNamespace(world_size=1, rank=0, layout="single"),
-        context=SimpleNamespace(
-            hidden_states=typed.context.hidden_states,
-            projection=SimpleNamespace(weight=typed.context.projection.weight, bias=typed.context.projection.bias),
-            vocab_partition=SimpleNamespace(local_start=0, local_size=100, real_vocab_size=100, padded_vocab_size=100),
-        ),
-    )
-    masked = provider.provide(duck).log_probs[:, 0]
-    full = provider.provide(typed).log_probs[:, 0]
-    assert torch.all(masked[~keep] == 0)
-    assert torch.equal(masked[keep], full[keep])
-    assert provider.provide(duck).provenance["request_metadata"]["store_prefix"] == "ref_"
-
-
-def test_provider_dotted_path_resolves_like_the_fork():
-    """The fork splits ``pkg.module.callable`` at the last dot and imports the module."""
-    module_name, _, attr = provider.DOTTED_PATH.rpartition(".")
-    assert getattr(importlib.import_module(module_name), attr) is provider.provide
-
-
-def test_provider_rejects_unknown_mode():
-    with pytest.raises(ValueError, match="mode must be one of"):
-        provider.provide(_request("sometimes"))
