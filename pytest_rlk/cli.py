@@ -81,15 +81,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
         a = parse_selectors(args.a_tag or [], "--a-tag")
         b = parse_selectors(args.b_tag or [], "--b-tag")
         results = diff_tag_selections(new, a, b, refresh_rel=refresh_rel)
-        print(f"run {new_path} ({new.status}): A = {_selector_text(a)}, B = {_selector_text(b)}; "
+        print(f"run {new_path} ({new.describe_status()}): A = {_selector_text(a)}, B = {_selector_text(b)}; "
               "paired by metric and the other tags (A is the reference)")
     elif len(args.runs) == 2:
         b_path, b = _load_run(args.runs[1], args.artifacts)
         results = diff_runs(new, b, refresh_rel=refresh_rel)
-        print(f"A/B: A = {new_path} ({new.status}), B = {b_path} ({b.status})")
+        print(f"A/B: A = {new_path} ({new.describe_status()}), B = {b_path} ({b.describe_status()})")
     else:
         results = diff_against_baselines(new, args.baselines, refresh_rel=refresh_rel)
-        print(f"run {new_path} ({new.status}) vs baselines {args.baselines} "
+        print(f"run {new_path} ({new.describe_status()}) vs baselines {args.baselines} "
               f"(platform {new.manifest.platform.tag})")
     print(diff_table(results))
     print(_verdict_counts(results))
@@ -132,12 +132,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlk", description="pytest-rlk runs: diff, report, merge")
     parser.add_argument("--artifacts", type=Path, default=None,
-                        help="where 'latest' is looked up (default: .rlk/runs)")
+                        help="where 'latest' and run ids are looked up (default: .rlk/runs here or in "
+                             "the nearest parent directory that has one)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     diff = sub.add_parser("diff", help="compare a run with the baselines, or run A with run B")
     diff.add_argument("runs", nargs="+", metavar="RUN",
-                      help="NEW_RUN (vs baselines) or RUN_A RUN_B (A/B); a run dir, run.json or 'latest'")
+                      help="NEW_RUN (vs baselines) or RUN_A RUN_B (A/B); a run dir, run.json, run id or 'latest'")
     diff.add_argument("--baselines", type=Path, default=Path("baselines"), help="default: baselines/")
     diff.add_argument("--refresh-rel", default=None, metavar="X",
                       help="flag values better than baseline by more than max(X*|ref|, abs_floor)")
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.set_defaults(func=cmd_diff)
 
     report = sub.add_parser("report", help="write report.md and PNG plots for a run")
-    report.add_argument("run", metavar="RUN", help="a run dir, run.json or 'latest'")
+    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
                         help="also write/update the run platform's roofline section of MD "
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_report)
 
     merge = sub.add_parser("merge", help="merge a run's part files into run.json (crashed runs too)")
-    merge.add_argument("run_dir", metavar="DIR", help="a run dir or 'latest'")
+    merge.add_argument("run_dir", metavar="RUN", help="a run dir, run id or 'latest'")
     merge.set_defaults(func=cmd_merge)
 
     for name in EXTENSION_MODULES:

@@ -180,6 +180,12 @@ def pytest_collection_modifyitems(config, items):
         state.writer.set_deselected(state.deselected)
 
 
+def pytest_collection_finish(session):
+    state = session.config.stash.get(STATE, None)
+    if state is not None and state.writer is not None:
+        state.writer.set_collected(len(session.items))
+
+
 def _skip_if_unserved(item, ctx: markers.ServeContext) -> None:
     """A skip marker (not a skip call) so pytest reports the test's own location."""
     try:

@@ -4,6 +4,10 @@ Every pytest process (each xdist worker, or the single process without xdist) re
 ``parts/<worker>.json`` atomically after each test. The controller writes a ``running`` header
 ``run.json`` at session start and merges the parts into it at session end. A run that never
 reached session end keeps status ``running`` on disk; ``rlk merge`` then marks it ``crashed``.
+
+``latest`` moves to a run when it records its first test result, so a run that selected nothing
+or stopped before any test (a typo in ``-m``, a usage error, Ctrl-C during collection) never
+hides the last run with results from ``rlk diff latest``.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ def start_run(artifacts: Path, manifest: RunManifest) -> Path:
     (run_dir / PARTS).mkdir(parents=True, exist_ok=True)
     storage.write_run(run_dir, RunRecord(manifest=manifest, status="running",
                                          host=socket.gethostname(), pid=os.getpid()))
-    storage.set_latest(artifacts, run_dir)
     return run_dir
 
 
@@ -43,9 +46,15 @@ class PartWriter:
     def add(self, test: TestRecord) -> None:
         self.part.tests.append(test)
         self.flush()
+        if len(self.part.tests) == 1:  # this run has a result now: it becomes `latest`
+            storage.set_latest(self.run_dir.parent, self.run_dir)
 
     def set_deselected(self, counts: dict[str, int]) -> None:
         self.part.deselected = dict(counts)
+        self.flush()
+
+    def set_collected(self, n: int) -> None:
+        self.part.collected = n
         self.flush()
 
     def flush(self) -> None:
@@ -66,6 +75,7 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     tests = [t for part in parts for t in part.tests]
     deselected: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
+    collected = max((p.collected for p in parts if p.collected is not None), default=None)
     backend_ids = list(header.manifest.kernel_backend_ids)
     for part in parts:
         for tier, n in part.deselected.items():  # every worker collects the same tests
@@ -84,7 +94,7 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
         manifest=manifest, status=final_status, host=header.host, pid=header.pid,
         finished_utc=utc_now() if status else header.finished_utc,
         exit_status=exit_status if exit_status is not None else header.exit_status,
-        tests=tests, deselected=deselected, fallback_counts=fallbacks,
+        tests=tests, deselected=deselected, fallback_counts=fallbacks, collected=collected,
     )
     storage.write_run(run_dir, run)
     return run

@@ -114,3 +114,24 @@ def test_broken_extension_warns_and_builtins_still_work(monkeypatch, capsys, tmp
     assert "warning: subcommands of pytest_rlk.bench_cli not loaded" in err
     assert "a_module_that_does_not_exist_here" in err
     assert "none" in err  # the merge error names the missing run
+
+
+def test_run_ids_are_accepted_wherever_a_run_is(two_runs):
+    """The id the summary and the report show (the run directory's name), resolved under the
+    default artifacts directory (.rlk/runs here or in a parent) or --artifacts."""
+    pytester, clean, regressed = two_runs
+    sub = pytester.path / "suites"
+    assert rlk("diff", clean.name, "--baselines", "../baselines", cwd=sub).returncode == 0
+    assert rlk("diff", regressed.name, "--baselines", "../baselines", cwd=sub).returncode == 1
+    assert rlk("diff", clean.name, regressed.name, cwd=sub).returncode == 1
+    assert rlk("merge", clean.name, cwd=sub).returncode == 0
+    done = rlk("report", regressed.name, "--no-plots", cwd=sub)
+    assert done.returncode == 0, done.stderr
+    assert (regressed / "report" / "report.md").exists()
+    elsewhere = rlk("--artifacts", str(pytester.path / ".rlk/runs"), "diff", clean.name,
+                    "--baselines", "baselines", cwd=pytester.path)
+    assert elsewhere.returncode == 0
+    typo = rlk("diff", clean.name[:-1] + "x", cwd=pytester.path)
+    assert typo.returncode == 2
+    assert "not a run directory, run.json file or run id under " in typo.stderr
+    assert clean.name in typo.stderr and regressed.name in typo.stderr

@@ -153,3 +153,23 @@ def test_kernel_fallback_counts_are_recorded(rlk_pytester):
     run = latest_run(rlk_pytester)
     assert run.fallback_counts == {"logp": 2} and run.tests[0].fallback_counts == {"logp": 2}
     assert run.manifest.kernel_backend_ids == ["standin/0"]
+
+
+def test_latest_skips_runs_without_results_and_names_partial_ones(rlk_pytester, capsys):
+    rlk_pytester.makepyfile(**{"suites/op/test_one": "def test_one(rlk_metrics):\n"
+                                                     "    rlk_metrics.record('v', 1.0, direction='two_sided')\n"})
+    rlk_pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    with_results = latest_run_dir(rlk_pytester).resolve()
+    stray = rlk_pytester.runpytest("-p", "no:cacheprovider", "-k", "no_such_test")
+    assert stray.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert latest_run_dir(rlk_pytester).resolve() == with_results
+    runs = str(rlk_pytester.path / ".rlk" / "runs")
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
+    assert "1 missing_baseline" in capsys.readouterr().out
+    rlk_pytester.makepyfile(**{"suites/op/test_int": INTERRUPTED})
+    assert rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == pytest.ExitCode.INTERRUPTED
+    assert latest_run_dir(rlk_pytester).resolve() != with_results  # it has results: it is latest
+    capsys.readouterr()
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]  # test_int.py ran first: 1 test before Ctrl-C
+    assert "(interrupted: partial, 1 of 4 tests recorded)" in header
