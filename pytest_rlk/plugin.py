@@ -152,6 +152,23 @@ def pytest_ignore_collect(collection_path, config):
     return True
 
 
+@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_hardware_marks(config, items):
+    """Skips from the tests' own markers, then every test gets the hardware marks of every
+    platform it can run on (``markers.runnable_on``), before pytest's ``-m`` filter runs: ``-m
+    h100`` on any machine selects what an H100 node runs, and this machine skips what it
+    cannot serve, with the reason."""
+    state = config.stash[STATE]
+    ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
+                               model_root=state.opts.model_root)
+    for item in items:
+        own = {m.name for m in item.iter_markers()}
+        _skip_if_unserved(item, ctx)
+        for name in markers.runnable_on(own):
+            if name not in own:
+                item.add_marker(name)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         check_imported_kernels()
@@ -159,8 +176,6 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(str(exc)) from None
     state = config.stash[STATE]
     root = Path(config.rootpath)
-    ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
-                               model_root=state.opts.model_root)
     keep, drop = [], []
     for item in items:
         path = Path(item.path)
@@ -169,7 +184,6 @@ def pytest_collection_modifyitems(config, items):
         item.stash[TIER] = tier
         if tier is None or tier in state.opts.tiers:
             keep.append(item)
-            _skip_if_unserved(item, ctx)
         else:
             drop.append(item)
             state.deselected[tier] = state.deselected.get(tier, 0) + 1

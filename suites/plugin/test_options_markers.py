@@ -6,7 +6,7 @@ from pathlib import PurePath
 
 import pytest
 
-from pytest_rlk import options
+from pytest_rlk import markers, options
 from pytest_rlk.markers import ServeContext, marker_lines, tier_of, unserved_reason
 from pytest_rlk.platform import detect, tag_for, with_override
 from pytest_rlk.recorder import MetricError, MetricRecorder, case_from_nodeid
@@ -172,3 +172,14 @@ def test_parse_platform_tag():
     assert options.parse_platform("h200") == "h200"
     with pytest.raises(options.OptionError, match="--rlk-platform: '../x' is not a platform tag"):
         options.parse_platform("../x")
+
+
+def test_runnable_on_names_every_platform_a_test_can_run_on():
+    everywhere = ("h100", "h200", "a100", "gb200", "gpu", "cpu")
+    assert markers.runnable_on([]) == everywhere
+    assert markers.runnable_on(["cpu", "tiny"]) == everywhere
+    assert markers.runnable_on(["gpu"]) == ("h100", "h200", "a100", "gb200", "gpu")
+    assert markers.runnable_on(["gpus", "bench"]) == ("h100", "h200", "a100", "gb200", "gpu")
+    assert markers.runnable_on(["gpu_mem"]) == ("h100", "h200", "a100", "gb200", "gpu")
+    assert markers.runnable_on(["h200", "gpus"]) == ("h200", "gpu")
+    assert markers.runnable_on(["h100", "h200"]) == ("h100", "h200", "gpu")

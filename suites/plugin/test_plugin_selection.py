@@ -113,8 +113,73 @@ def test_dash_m_h200_on_cpu_skips_and_exits_0(rlk_pytester):
     rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=cpu", "-rs")
     assert result.ret == pytest.ExitCode.OK
-    result.assert_outcomes(skipped=1, deselected=4)
-    result.stdout.fnmatch_lines(["*needs an H200 (this machine: cpu, 0 GPUs)*"])
+    # what an H200 node runs: all but the H100-only test; this CPU machine serves the cpu test
+    result.assert_outcomes(passed=1, skipped=3, deselected=1)
+    result.stdout.fnmatch_lines_random(["*needs an H200 (this machine: cpu, 0 GPUs)*",
+                                        "*needs 80 GB GPU memory (found 0)*"])
+
+
+PLATFORM_TESTS = """
+import pytest
+
+def test_anywhere():
+    pass
+
+@pytest.mark.cpu
+def test_cpu():
+    pass
+
+@pytest.mark.gpu
+def test_any_gpu():
+    pass
+
+@pytest.mark.gpus(2)
+def test_two_gpus():
+    pass
+
+@pytest.mark.h100
+def test_h100_only():
+    pass
+
+@pytest.mark.h200
+def test_h200_only():
+    pass
+
+@pytest.mark.h100
+@pytest.mark.h200
+def test_hopper():
+    pass
+"""
+
+
+@pytest.mark.parametrize("expr, selected", [
+    ("h100", {"anywhere", "cpu", "any_gpu", "two_gpus", "h100_only", "hopper"}),
+    ("h200", {"anywhere", "cpu", "any_gpu", "two_gpus", "h200_only", "hopper"}),
+    ("a100", {"anywhere", "cpu", "any_gpu", "two_gpus"}),
+    ("cpu", {"anywhere", "cpu"}),
+    ("gpu", {"anywhere", "cpu", "any_gpu", "two_gpus", "h100_only", "h200_only", "hopper"}),
+    ("gpu and not cpu", {"any_gpu", "two_gpus", "h100_only", "h200_only", "hopper"}),
+])
+def test_dash_m_selects_what_that_platform_runs(rlk_pytester, expr, selected):
+    rlk_pytester.makepyfile(**{"suites/op/test_plat": PLATFORM_TESTS})
+    result = rlk_pytester.runpytest("-m", expr, "--rlk-platform=cpu", "--strict-markers", "-rs")
+    run = latest_run(rlk_pytester)
+    assert {t.nodeid.split("::test_")[1] for t in run.tests} == selected
+    # on this CPU machine the GPU tests among them skip, naming the hardware
+    ran = {t.nodeid.split("::test_")[1] for t in run.tests if t.outcome == "passed"}
+    assert ran == selected & {"anywhere", "cpu"}
+    assert all(t.unserved and "needs" in t.skip_reason for t in run.tests if t.outcome == "skipped")
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_dash_m_h100_on_cpu_names_the_missing_hardware(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_plat": PLATFORM_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=op,module", "-m", "h100", "--rlk-platform=cpu", "-rs")
+    result.assert_outcomes(passed=2, skipped=4, deselected=1)
+    result.stdout.fnmatch_lines_random(["*test_plat.py:* needs a GPU (this machine: cpu, 0 GPUs)*",
+                                        "*needs 2 GPUs (found 0)*",
+                                        "*needs an H100 (this machine: cpu, 0 GPUs)*",
+                                        "*needs an H100 or H200 (this machine: cpu, 0 GPUs)*"])
 
 
 H100_MACHINE = '''
@@ -143,7 +208,7 @@ def test_cpu_override_on_a_gpu_machine_skips_exactly_like_cpu(rlk_pytester):
 
 def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
     """Documented choice: the plugin does not mask "no tests collected"."""
-    rlk_pytester.makepyfile(**{"suites/e2e/test_plain": TEST_BODY.format(name="plain")})
+    rlk_pytester.makepyfile(**{"suites/e2e/test_h100": "import pytest\n\n@pytest.mark.h100\ndef test_h100():\n    pass\n"})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200")
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
 
@@ -151,7 +216,8 @@ def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
 def test_platform_override_serves_the_marker(rlk_pytester):
     rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=h200")
-    result.assert_outcomes(passed=1, deselected=4)
+    # the h200 test and the cpu one run; the GPU-memory and checkpoint ones still skip
+    result.assert_outcomes(passed=2, skipped=2, deselected=1)
     assert latest_run(rlk_pytester).manifest.platform.tag == "h200"
 
 
