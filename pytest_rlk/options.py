@@ -76,6 +76,27 @@ def parse_backend(text: str | None) -> str | None:
     return text
 
 
+def load_backend(name: str) -> str:
+    """Load the backend ``--rlk-backend`` names through the kernels' registry, once, at startup:
+    its ``id/version``, or an :class:`OptionError` saying why it cannot work (the module does not
+    import, has no such factory, the factory raised, or returned something that is not a backend).
+    Every tier runs with it, so a backend that cannot load is a usage error, not a run of skips."""
+    from pytest_rlk._kernels_guard import import_project_kernels
+
+    try:
+        import_project_kernels()
+        from kernels import backends
+    except ImportError as exc:
+        raise OptionError(f"--rlk-backend {name!r}: pytest-rlk's kernels do not import ({exc})") from None
+    try:
+        backend = backends.get_backend(name)
+    except backends.BackendLoadError as exc:
+        raise OptionError(f"--rlk-backend {name!r}: {exc}") from None
+    except Exception as exc:  # the factory's own error, named
+        raise OptionError(f"--rlk-backend {name!r}: its factory raised {type(exc).__name__}: {exc}") from None
+    return f"{backend.id}/{backend.version}"
+
+
 def resolve_dir(value: str | None, rootdir: Path, default: str) -> Path:
     """Relative directories are taken relative to the pytest rootdir, like ``baselines/``."""
     path = Path(value if value is not None else default).expanduser()

@@ -81,6 +81,8 @@ def pytest_configure(config):
     else:
         plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
         plat = rlk_platform.with_override(plat, opts.platform_override)
+    if opts.backend is not None and not workerinput:
+        _check_backend_loads(opts.backend, plat)
     state = RlkState(opts=opts, platform=plat, worker=workerinput["workerid"] if workerinput else None)
     if workerinput and workerinput.get("rlk_run_dir"):
         state.run_dir = Path(workerinput["rlk_run_dir"])
@@ -90,6 +92,17 @@ def pytest_configure(config):
     config.stash[STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(), "rlk-xdist")
+
+
+def _check_backend_loads(name: str, plat: PlatformInfo) -> None:
+    """Without a GPU, Triton kernels run through its interpreter, which must be on before a
+    backend module defines them (the op and module tiers' conftests set the same)."""
+    if plat.detected_tag == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        options.load_backend(name)
+    except options.OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_unconfigure(config):

@@ -231,12 +231,58 @@ def test_vime_marker_needs_vime_root(rlk_pytester, tmp_path):
     bad.stderr.fnmatch_lines(["*--rlk-vime-root:*nope*is not a directory*"])
 
 
-def test_backend_option_is_exported_for_the_session(rlk_pytester):
-    rlk_pytester.makepyfile(**{"suites/op/test_b": (
+MY_BACKENDS = """
+from kernels.backends.reference import make_backend as make_reference
+
+
+def make():
+    return make_reference()
+
+
+def make_nothing():
+    return 42
+
+
+def make_broken():
+    raise RuntimeError("no device for this backend")
+"""
+
+
+@pytest.fixture(scope="module")
+def with_kernels():
+    """The backend check imports torch: import it here, before any pytester run of this module
+    starts (a module-scoped fixture is set up first). Each in-process pytester run drops the
+    modules imported during it, and torch does not survive being imported twice."""
+    pytest.importorskip("torch", reason="the backend checks load kernels.backends (torch)")
+    import kernels.backends.reference  # noqa: F401  (what my_pkg.backends imports)
+
+
+def test_backend_option_is_exported_for_the_session(rlk_pytester, with_kernels):
+    rlk_pytester.makepyfile(**{"my_pkg/__init__": "", "my_pkg/backends": MY_BACKENDS, "suites/op/test_b": (
         "import os\n\ndef test_b():\n    assert os.environ['VIME_RL_KERNEL_BACKEND'] == 'my_pkg.backends:make'\n")})
+    rlk_pytester.syspathinsert()
     rlk_pytester.runpytest("--rlk-backend=my_pkg.backends:make").assert_outcomes(passed=1)
     assert "VIME_RL_KERNEL_BACKEND" not in os.environ  # restored after the session
     assert latest_run(rlk_pytester).manifest.kernel_backend_option == "my_pkg.backends:make"
+
+
+@pytest.mark.parametrize("tier", ["op", "module", "e2e"])
+@pytest.mark.parametrize("backend, why", [
+    ("nosuch_pkg.backend:make", "cannot import backend module 'nosuch_pkg.backend' (No module named 'nosuch_pkg')"),
+    ("my_pkg.backends:nosuch", "backend module 'my_pkg.backends' has no attribute 'nosuch'"),
+    ("my_pkg.backends:make_nothing", "backend 'my_pkg.backends:make_nothing' lacks 'id'"),
+    ("my_pkg.backends:make_broken", "its factory raised RuntimeError: no device for this backend"),
+    ("nosuch_backend", "unknown backend 'nosuch_backend'"),
+])
+def test_a_backend_that_cannot_load_is_a_usage_error_at_startup(rlk_pytester, with_kernels, tier, backend, why):
+    rlk_pytester.makepyfile(**{"my_pkg/__init__": "", "my_pkg/backends": MY_BACKENDS,
+                               f"suites/{tier}/test_b": "def test_b():\n    pass\n"})
+    rlk_pytester.syspathinsert()
+    result = rlk_pytester.runpytest(f"--rlk-tier={tier}", "--rlk-backend", backend)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --rlk-backend {backend!r}: {why}*"])
+    assert "Traceback" not in result.stderr.str()
+    assert not (rlk_pytester.path / ".rlk").exists()  # nothing ran, no run was started
 
 
 def test_bad_marker_argument_fails_the_test(rlk_pytester):
