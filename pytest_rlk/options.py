@@ -103,6 +103,23 @@ def resolve_dir(value: str | None, rootdir: Path, default: str) -> Path:
     return path if path.is_absolute() else (rootdir / path)
 
 
+def artifacts_dir(value: str | None, rootdir: Path) -> Path:
+    path = resolve_dir(value, rootdir, ".rlk/runs")
+    if path.exists() and not path.is_dir():
+        raise OptionError(f"--rlk-artifacts: {value!r} is a file, not a directory")
+    return path
+
+
+def baselines_dir(value: str | None, rootdir: Path, update: str | None) -> Path:
+    """A baseline directory given explicitly must exist (a typo would read every baseline as
+    missing), unless this run records into it; the default ``baselines/`` may be absent."""
+    path = resolve_dir(value, rootdir, "baselines")
+    if value is not None and update is None and not path.is_dir():
+        raise OptionError(f"--rlk-baselines: {value!r} is not a directory (record into a new one "
+                          "with --rlk-update-baselines)")
+    return path
+
+
 def existing_dir(value: str | None, option: str) -> Path | None:
     if value is None:
         return None
@@ -132,11 +149,12 @@ class RlkOptions:
 
 def build_options(getoption, rootdir: Path) -> RlkOptions:
     """Validate everything at once from a ``config.getoption``-like callable."""
+    update = parse_update_mode(getoption("rlk_update_baselines"))
     return RlkOptions(
         tiers=parse_tiers(getoption("rlk_tier")),
-        artifacts=resolve_dir(getoption("rlk_artifacts"), rootdir, ".rlk/runs"),
-        baselines=resolve_dir(getoption("rlk_baselines"), rootdir, "baselines"),
-        update_baselines=parse_update_mode(getoption("rlk_update_baselines")),
+        artifacts=artifacts_dir(getoption("rlk_artifacts"), rootdir),
+        baselines=baselines_dir(getoption("rlk_baselines"), rootdir, update),
+        update_baselines=update,
         require_baselines=bool(getoption("rlk_require_baselines")),
         platform_override=parse_platform(getoption("rlk_platform")),
         vime_root=existing_dir(getoption("rlk_vime_root"), "--rlk-vime-root"),
