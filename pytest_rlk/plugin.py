@@ -45,6 +45,7 @@ RECORDER = pytest.StashKey[MetricRecorder]()
 TIER = pytest.StashKey[str | None]()
 PHASES = pytest.StashKey[dict]()
 GATE = pytest.StashKey[object]()
+GATE_ERROR = pytest.StashKey[str]()
 UNSERVED = pytest.StashKey[str]()
 MARKER_ERROR = pytest.StashKey[str]()
 
@@ -250,7 +251,7 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
     record = TestRecord(nodeid=item.nodeid, case=recorder.case if recorder else case_from_nodeid(item.nodeid),
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
                         skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
-                        worker=state.worker or "main")
+                        worker=state.worker or "main", gate_error=item.stash.get(GATE_ERROR, None))
     if recorder is not None:
         record.metrics = list(recorder.metrics.values())
         record.seeds = dict(recorder.seeds)
@@ -296,7 +297,10 @@ def pytest_runtest_call(item):
     try:
         outcome = gate_test(_test_record(item, "passed"), settings, _provenance(state))
     except (storage.RlkFileError, ValueError) as exc:
-        pytest.fail(f"rlk gate error: {exc}", pytrace=False)
+        item.stash[GATE_ERROR] = str(exc)
+        outcome = None
+    if outcome is None:  # failed outside the except block: the message once, no chained traceback
+        pytest.fail(f"rlk gate error: {item.stash[GATE_ERROR]}", pytrace=False)
     item.stash[GATE] = outcome.result
     if outcome.failure:
         pytest.fail(outcome.failure, pytrace=False)

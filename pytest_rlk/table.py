@@ -65,11 +65,17 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
             if c.verdict in (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.IMPROVED, Verdict.UNGATED):
                 problem_lines.append(f"  {c.verdict.label}: {t.case}/{c.name}: baseline "
                                      f"{fmt(c.baseline)}, new {fmt(c.new)} ({c.detail})")
-    if verdicts:
-        lines.append("gate: " + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())))
-        lines += problem_lines
+    gate_errors = [t.gate_error for t in run.tests if t.gate_error]
+    counts = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
+    if gate_errors:
+        plural = "s" if len(gate_errors) > 1 else ""
+        lines.append(f"gate: {counts + '; ' if counts else ''}{len(gate_errors)} gate error{plural}:")
+        lines += [f"  gate error: {e}" for e in gate_errors]
+    elif verdicts:
+        lines.append(f"gate: {counts}")
     else:
         lines.append("gate: no gated metrics recorded")
+    lines += problem_lines
     if written:
         lines.append(f"baselines written: {len(written)}")
         lines += [f"  {p}" for p in written]

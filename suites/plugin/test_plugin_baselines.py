@@ -150,6 +150,24 @@ def test_corrupt_baseline_names_file_and_field(gated):
     result.stdout.fnmatch_lines(["*rlk gate error: *second-case.json: field 'metrics.reward.direction'*"])
 
 
+def test_corrupt_baseline_message_once_and_a_gate_error_in_the_summary(gated):
+    _run(gated, "--rlk-update-baselines=all")
+    data = json.loads((gated.path / SECOND).read_text())
+    data["metrics"]["reward"]["ref"] = "half"
+    (gated.path / SECOND).write_text(json.dumps(data))
+    result = _run(gated)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    message = "second-case.json: field 'metrics.reward.ref': Input should be a valid number"
+    failures = out.split("= FAILURES =", 1)[1].split("= rlk =", 1)[0]
+    assert failures.count(message) == 1, failures  # no chained traceback repeating it
+    assert "During handling of the above exception" not in failures
+    result.stdout.fnmatch_lines(["gate: 2 pass; 1 gate error:",
+                                 f"  gate error: *{message}*"])
+    run = latest_run(gated)
+    assert message in next(t for t in run.tests if t.case == "second-case").gate_error
+
+
 def test_unparsable_baseline_names_file(gated):
     _run(gated, "--rlk-update-baselines=all")
     (gated.path / SECOND).write_text("{truncated")
