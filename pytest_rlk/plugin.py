@@ -19,7 +19,7 @@ from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
 from pytest_rlk.failures import report_failure
 from pytest_rlk.gate import GateSettings, gate_test
-from pytest_rlk.manifest import build_manifest, new_run_id
+from pytest_rlk.manifest import build_manifest, new_run_id, switched_on_backend_id
 from pytest_rlk.recorder import MetricRecorder, case_from_nodeid
 from pytest_rlk.schema import PlatformInfo, RunRecord, TestRecord
 from pytest_rlk.table import summary_lines
@@ -46,6 +46,7 @@ TIER = pytest.StashKey[str | None]()
 PHASES = pytest.StashKey[dict]()
 GATE = pytest.StashKey[object]()
 GATE_ERROR = pytest.StashKey[str]()
+BACKEND_SEEN = pytest.StashKey[str]()
 UNSERVED = pytest.StashKey[str]()
 MARKER_ERROR = pytest.StashKey[str]()
 
@@ -252,10 +253,13 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
                         skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
                         worker=state.worker or "main", gate_error=item.stash.get(GATE_ERROR, None))
+    seen = item.stash.get(BACKEND_SEEN, None)
+    record.backends = [seen] if seen is not None else []
     if recorder is not None:
         record.metrics = list(recorder.metrics.values())
         record.seeds = dict(recorder.seeds)
         record.fallback_counts = dict(recorder.fallback_counts)
+        record.backends += [b for b in recorder.backends if b not in record.backends]
         used = recorder.artifact_dir_if_used
         record.artifact_dir = str(used) if used is not None else None
     gate = item.stash.get(GATE, None)
@@ -280,7 +284,10 @@ def _provenance(state: RlkState) -> dict[str, object]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    result = yield  # raises (and skips the gate) when the test body failed
+    try:
+        result = yield  # raises (and skips the gate) when the test body failed
+    finally:
+        _note_switched_on_backend(item)
     recorder = item.stash.get(RECORDER, None)
     if recorder is None or not any(m.gate for m in recorder.metrics.values()):
         return result
@@ -307,6 +314,13 @@ def pytest_runtest_call(item):
     return result
 
 
+def _note_switched_on_backend(item) -> None:
+    """The kernel backend switched on as the test body ends (its fixtures still set), if any."""
+    backend = switched_on_backend_id()
+    if backend is not None:
+        item.stash[BACKEND_SEEN] = backend
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
@@ -316,6 +330,25 @@ def pytest_runtest_makereport(item, call):
         state = item.config.stash[STATE]
         if state.writer is not None:
             state.writer.add(_record_from_phases(item, phases))
+    return report
+
+
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped at collection (``pytest.importorskip`` at its top) is one skip in
+    pytest's count: the run records it too, so the summary's skips add up to pytest's."""
+    report = yield
+    state = collector.config.stash.get(STATE, None)
+    if report.skipped and report.nodeid and state is not None and state.writer is not None:
+        state.writer.add(TestRecord(
+            nodeid=report.nodeid, case=case_from_nodeid(report.nodeid),
+            tier=markers.tier_of(Path(report.nodeid), ()), outcome="skipped",
+            skip_reason=_skip_reason(report), worker=state.worker or "main"))
     return report
 
 
@@ -330,9 +363,7 @@ def _record_from_phases(item, phases: dict) -> TestRecord:
         outcome = "failed"
     elif any(r.skipped for r in phases.values()):
         outcome = "skipped"
-        rep = next(r for r in phases.values() if r.skipped)
-        skip_reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        skip_reason = skip_reason.removeprefix("Skipped: ")
+        skip_reason = _skip_reason(next(r for r in phases.values() if r.skipped))
     else:
         outcome = "passed"
     return _test_record(item, outcome, duration=duration, skip_reason=skip_reason, failure=failure)

@@ -72,7 +72,8 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     """
     header = storage.load_run(run_dir / storage.RUN_FILE)
     parts = [storage.load_part(p) for p in sorted((run_dir / PARTS).glob("*.json"))]
-    tests = [t for part in parts for t in part.tests]
+    # a module skipped at collection is recorded by every xdist worker that collected it: once here
+    tests = list({t.nodeid: t for part in reversed(parts) for t in reversed(part.tests)}.values())[::-1]
     deselected: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
     collected = max((p.collected for p in parts if p.collected is not None), default=None)
@@ -83,8 +84,10 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
         for op, n in part.fallback_counts.items():
             fallbacks[op] = fallbacks.get(op, 0) + n
         backend_ids.extend(b for b in part.kernel_backend_ids if b not in backend_ids)
+    exercised = list(dict.fromkeys(b for t in tests for b in t.backends))
     manifest = header.manifest.model_copy(update={
-        "kernel_backend_ids": backend_ids,
+        # what the tests exercised; without such records, what kernels.backend_id() said
+        "kernel_backend_ids": exercised or backend_ids,
         "seeds": {t.nodeid: dict(t.seeds) for t in tests if t.seeds},
     })
     final_status = status or header.status

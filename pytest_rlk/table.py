@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 from pytest_rlk.schema import GateResult, MetricComparison, RunRecord, Verdict
+from pytest_rlk.skips import skip_lines
 
 DIFF_HEADERS = ("metric", "baseline", "new", "delta", "band", "verdict")
 SLOWEST_AFTER_S = 60.0  # sessions longer than this list their slowest tests (CI budgeting)
@@ -48,10 +49,8 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
     if not_collected:
         lines.append("not collected (tier not selected): " + ", ".join(
             f"{tier} ({path}/)" for tier, path in sorted(not_collected.items())))
-    unserved = Counter(t.skip_reason for t in run.tests if t.unserved)
-    if unserved:
-        lines.append(f"skipped by hardware/resources: {sum(unserved.values())}")
-        lines += [f"  {n} x {reason}" for reason, n in unserved.most_common()]
+    lines += skip_lines(run.tests)
+    lines += backend_lines(run)
     verdicts: Counter[str] = Counter()
     problem_lines: list[str] = []
     written = []
@@ -85,6 +84,19 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
     lines.append(f"run status: {run.status}; artifacts: {run_dir}")
     lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")
     return lines
+
+
+def exercised_backends(run: RunRecord) -> Counter[str]:
+    """Kernel backend id/version -> how many tests exercised it (the tests' own records)."""
+    return Counter(b for t in run.tests for b in t.backends)
+
+
+def backend_lines(run: RunRecord) -> list[str]:
+    used = exercised_backends(run)
+    if not used:
+        return []
+    return ["kernel backends exercised: " + ", ".join(
+        f"{b} ({n} test{'s' if n > 1 else ''})" for b, n in used.most_common())]
 
 
 def run_elapsed_s(run: RunRecord) -> float | None:

@@ -66,6 +66,7 @@ def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
                 band=policy.band, window={"skip": skip, "agg": policy.agg},
             )
     rlk_metrics.record_fallbacks(run.arm("kernels").info["fallback_counts"])
+    rlk_metrics.record_backend(run.arm("kernels").info["backend_id"])
 
 
 def _assert_real_kernel_arm(run: ABRun, key: str = "kernels") -> None:

@@ -50,6 +50,7 @@ def test_vocab_parallel_kernels_match_megatron(backend, world, tmp_path, rlk_met
         assert out["backend_ref"].startswith("reference"), f"rank {r}: {out['backend_ref']}"
         assert out["backend_kernels"].startswith("rlk-triton"), f"rank {r}: {out['backend_kernels']}"
         assert out["fallback_ref"] == 0.0 and out["fallback_kernels"] == 0.0
+        rlk_metrics.record_backend(out["backend_id_kernels"])
     failures = []
     for name, atol in TOLERANCES.items():
         worst = max(out[name] for out in ranks)

@@ -133,6 +133,7 @@ class CaseRun:
         self.metrics = rlk_metrics
         self.failures: list[str] = []
         rlk_metrics.set_case(_case_name(f"backends.{op}.{case_id}.{backend.id}-{backend.version}"))
+        rlk_metrics.record_backend(f"{backend.id}/{backend.version}")
 
     def skip(self, reason: str) -> None:
         self.row.status = f"skip: {reason}"

@@ -70,7 +70,7 @@ def test_hw():
 """})
     result = rlk_pytester.runpytest_subprocess("-n", "2", "--rlk-platform=cpu", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=6, skipped=1)
-    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (7 tests)", "skipped by hardware/resources: 1",
+    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (7 tests)", "skipped: 1 (hardware/resources 1)",
                                  "gate: 6 missing_baseline"])
     run_dir = latest_run_dir(rlk_pytester)
     assert sorted(p.name for p in (run_dir / "parts").glob("*.json")) == ["gw0.json", "gw1.json"]

@@ -103,7 +103,7 @@ def test_hardware_markers_skip_with_reasons(rlk_pytester):
         "*needs an H100 (this machine: cpu, 0 GPUs); needs 2 GPUs (found 0)*",
         "*needs 80 GB GPU memory (found 0)*",
         "*needs checkpoint qwen3_4b under --rlk-model-root (not given)*",
-        "skipped by hardware/resources: 4",
+        "skipped: 4 (hardware/resources 4)",
     ])
     run = latest_run(rlk_pytester)
     assert sum(t.unserved for t in run.tests) == 4
