@@ -28,7 +28,17 @@ import torch
 from kernels import backends, tolerances
 from kernels.reference import LossConfig, grpo_loss_from_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
-from rlk_op_cases import DEVICE, DTYPES, loss_inputs, loss_upstream_grad, make_ids, make_logits, record_error, summed_terms
+from rlk_op_cases import (
+    DEVICE,
+    DTYPES,
+    loss_inputs,
+    loss_upstream_grad,
+    make_ids,
+    make_logits,
+    record_error,
+    summed_terms,
+    tolerance_band,
+)
 
 # test id -> backend name (built-in names: kernels/backends/__init__.py)
 DEFAULT_BACKENDS = {"rlk-triton": "rlk-triton", "liger": "liger", "rl_engine": "rl_engine"}
@@ -155,7 +165,8 @@ class CaseRun:
             "backend": self.backend.id, "backend_version": self.backend.version, "op": self.op,
             "dtype": tolerances.dtype_name(dtype), "case": self.case_id,
         }
-        record_error(self.metrics, f"{what}_max_abs_err", result, tags)
+        record_error(self.metrics, f"{what}_max_abs_err", result, tags,
+                     band=tolerance_band(check, dtype, tol, expected))
         self.row.errors[what] = result.max_abs_err
         if not result.ok:
             idx = result.worst_index

@@ -45,7 +45,11 @@ def _ref(pytester, rel, metric):
 
 
 def test_missing_baseline_passes_without_require(gated):
-    _run(gated).assert_outcomes(passed=2)
+    result = _run(gated)
+    result.assert_outcomes(passed=2)
+    # (pytester adds --basetemp to the command line; a real run shows exactly what was typed)
+    result.stdout.fnmatch_lines(["  no baseline for 2 cases under baselines/op/cpu/; record them with:",
+                                 "    pytest --rlk-platform=cpu *--rlk-update-baselines=failed"])
     run = latest_run(gated)
     assert all(c.verdict is Verdict.MISSING_BASELINE for t in run.tests for c in t.gate.comparisons)
     assert not (gated.path / "baselines").exists()  # never written without --rlk-update-baselines
