@@ -245,6 +245,29 @@ def rlk_metrics(request) -> MetricRecorder:
     return recorder
 
 
+class RunFiles:
+    """Files of the whole run (not of one test): ``DIR/<run_id>/files/<name>``, each named with
+    its description in the rlk summary and the report (e.g. a table several tests fill)."""
+
+    def __init__(self, state: RlkState) -> None:
+        self._state = state
+
+    def path(self, name: str, description: str) -> Path:
+        if self._state.run_dir is None:
+            raise RuntimeError("rlk_files.path: this run writes no artifacts")
+        path = self._state.run_dir / rlk_session.FILES / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._state.writer is not None:
+            self._state.writer.add_file(description, path)
+        return path
+
+
+@pytest.fixture(scope="session")
+def rlk_files(request) -> RunFiles:
+    """Files of the run as a whole: ``rlk_files.path("table.txt", "backend parity table")``."""
+    return RunFiles(request.config.stash[STATE])
+
+
 def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str | None = None,
                  failure: str | None = None) -> TestRecord:
     state = item.config.stash[STATE]

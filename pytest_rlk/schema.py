@@ -216,6 +216,7 @@ class PartFile(_Strict):
     fallback_counts: dict[str, int] = Field(default_factory=dict)
     kernel_backend_ids: list[str] = Field(default_factory=list)
     collected: int | None = None  # tests selected to run (after -m, -k and tier deselection)
+    files: dict[str, str] = Field(default_factory=dict)  # description -> path (rlk_files)
 
 
 class RunRecord(_Strict):
@@ -230,6 +231,8 @@ class RunRecord(_Strict):
     deselected: dict[str, int] = Field(default_factory=dict)
     fallback_counts: dict[str, int] = Field(default_factory=dict)
     collected: int | None = None  # tests selected to run; more than len(tests) in a partial run
+    # run-level files the tests wrote (tables, logs), description -> path: named in the summary
+    files: dict[str, str] = Field(default_factory=dict)
 
     @property
     def partial(self) -> bool:

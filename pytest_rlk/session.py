@@ -21,6 +21,7 @@ from pytest_rlk.schema import PartFile, RunManifest, RunRecord, RunStatus, TestR
 
 PARTS = "parts"
 TESTS = "tests"
+FILES = "files"
 
 
 def start_run(artifacts: Path, manifest: RunManifest) -> Path:
@@ -53,6 +54,10 @@ class PartWriter:
         self.part.deselected = dict(counts)
         self.flush()
 
+    def add_file(self, description: str, path: Path) -> None:
+        self.part.files[description] = str(path)
+        self.flush()
+
     def set_collected(self, n: int) -> None:
         self.part.collected = n
         self.flush()
@@ -77,6 +82,7 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     deselected: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
     collected = max((p.collected for p in parts if p.collected is not None), default=None)
+    files = {k: v for part in parts for k, v in part.files.items()}
     backend_ids = list(header.manifest.kernel_backend_ids)
     for part in parts:
         for tier, n in part.deselected.items():  # every worker collects the same tests
@@ -97,7 +103,7 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
         manifest=manifest, status=final_status, host=header.host, pid=header.pid,
         finished_utc=utc_now() if status else header.finished_utc,
         exit_status=exit_status if exit_status is not None else header.exit_status,
-        tests=tests, deselected=deselected, fallback_counts=fallbacks, collected=collected,
+        tests=tests, deselected=deselected, fallback_counts=fallbacks, collected=collected, files=files,
     )
     storage.write_run(run_dir, run)
     return run

@@ -165,6 +165,7 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
         lines += [f"  {p}" for p in written]
     if run.fallback_counts:
         lines.append("kernel fallbacks: " + ", ".join(f"{op}={n}" for op, n in sorted(run.fallback_counts.items())))
+    lines += [f"file: {description}: {_shown(Path(path))}" for description, path in sorted(run.files.items())]
     lines += slowest_lines(run)
     lines.append(f"run status: {run.status}; artifacts: {run_dir}")
     lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")

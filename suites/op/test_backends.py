@@ -9,7 +9,8 @@ backend's ``supports(op, **case)`` rejects is SKIPPED with that reason: it is ne
 different math. A disagreement fails with backend, op, output, shape, dtype, max error and the
 worst element's index. Max errors (and, on a GPU, times) are recorded through ``rlk_metrics`` with
 tags {backend, backend_version, op, dtype, case}; each case's baseline id contains the backend id
-and version, so baselines are kept per backend. A table of all results is printed at the end.
+and version, so baselines are kept per backend. A table of all results goes to the run's
+``files/backends-parity.txt`` (the rlk summary names it).
 """
 
 from __future__ import annotations
@@ -99,29 +100,26 @@ ROWS: list[Row] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
-def backends_table(request):
+def backends_table(rlk_files):
+    """The results as one table in the run's files (named in the rlk summary), not on the
+    terminal in the middle of the progress dots."""
     yield
     if not ROWS:
         return
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        reporter.write_line("")
-        reporter.write_line("rlk backends: op parity vs the fp32 reference (max abs errors; GPU: median ms)")
-        unavailable: set[str] = set()
-        for row in ROWS:
-            if row.status.startswith("skip: backend "):  # not loadable: say it once, not per case
-                if row.backend not in unavailable:
-                    unavailable.add(row.backend)
-                    reporter.write_line(f"  {row.backend}: {row.status}")
-                continue
-            errs = " ".join(f"{k}={v:.2e}" for k, v in row.errors.items())
-            when = f" {row.time_ms:.3f} ms" if row.time_ms is not None else ""
-            reporter.write_line(f"  {row.backend:<30} {row.op:<17} {row.case:<36} {row.status}{when} {errs}")
-        for backend, _ in (loaded for loaded in _LOADED.values() if loaded[0] is not None):
-            reporter.write_line(f"  {backend.id}/{backend.version}: {backend.capabilities.extra or 'no extra capability notes'}")
+    lines = ["rlk backends: op parity vs the fp32 reference (max abs errors; GPU: median ms)"]
+    unavailable: set[str] = set()
+    for row in ROWS:
+        if row.status.startswith("skip: backend "):  # not loadable: say it once, not per case
+            if row.backend not in unavailable:
+                unavailable.add(row.backend)
+                lines.append(f"  {row.backend}: {row.status}")
+            continue
+        errs = " ".join(f"{k}={v:.2e}" for k, v in row.errors.items())
+        when = f" {row.time_ms:.3f} ms" if row.time_ms is not None else ""
+        lines.append(f"  {row.backend:<30} {row.op:<17} {row.case:<36} {row.status}{when} {errs}")
+    for backend, _ in (loaded for loaded in _LOADED.values() if loaded[0] is not None):
+        lines.append(f"  {backend.id}/{backend.version}: {backend.capabilities.extra or 'no extra capability notes'}")
+    rlk_files.path("backends-parity.txt", "backend parity table").write_text("\n".join(lines) + "\n")
     ROWS.clear()
 
 

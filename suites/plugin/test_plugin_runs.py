@@ -173,3 +173,24 @@ def test_latest_skips_runs_without_results_and_names_partial_ones(rlk_pytester, 
     assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
     header = capsys.readouterr().out.splitlines()[0]  # test_int.py ran first: 1 test before Ctrl-C
     assert "(interrupted: partial, 1 of 4 tests recorded)" in header
+
+
+def test_run_files_are_named_in_the_summary(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_table": """
+import pytest
+
+@pytest.fixture(scope="module", autouse=True)
+def table(rlk_files):
+    rows = []
+    yield rows
+    rlk_files.path("parity.txt", "parity table").write_text("\\n".join(rows) + "\\n")
+
+@pytest.mark.parametrize("i", range(3))
+def test_row(table, i):
+    table.append(f"row {i}")
+"""})
+    result = rlk_pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["file: parity table: .rlk/runs/*/files/parity.txt"])
+    run = latest_run(rlk_pytester)
+    assert open(run.files["parity table"]).read() == "row 0\nrow 1\nrow 2\n"
