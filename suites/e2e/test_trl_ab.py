@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
-pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
+from pytest_rlk.extras import require_extra  # noqa: E402
+
+require_extra("trl")
+require_extra("datasets")  # TRL's GRPOTrainer reads its prompts from a datasets.Dataset
 
 import torch  # noqa: E402
 

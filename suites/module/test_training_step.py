@@ -15,10 +15,15 @@ import json
 import pytest
 import torch
 
-from pytest_rlk.e2e.engines.task import make_prompts
-from pytest_rlk.e2e.engines.tiny_models import train_tokenizer
-from suites.module import tiny, train_step
-from suites.module import vime_standin as standin
+from pytest_rlk.extras import require_extra
+
+require_extra("transformers")  # tiny real models
+require_extra("tokenizers")
+
+from pytest_rlk.e2e.engines.task import make_prompts  # noqa: E402
+from pytest_rlk.e2e.engines.tiny_models import train_tokenizer  # noqa: E402
+from suites.module import tiny, train_step  # noqa: E402
+from suites.module import vime_standin as standin  # noqa: E402
 
 SEED = 1234
 LOSS_FLAGS = ["--use-kl-loss", "--kl-loss-coef", "0.01", "--eps-clip-high", "0.28", "--use-tis"]

