@@ -7,7 +7,9 @@ in a CI command line.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class RlkState:
     deselected: dict[str, int] = field(default_factory=dict)
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
+    current_test: str | None = None  # the test being set up or run (named by progress lines)
 
 
 STATE = pytest.StashKey[RlkState]()
@@ -229,6 +232,7 @@ def _skip_if_unserved(item, ctx: markers.ServeContext) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    item.config.stash[STATE].current_test = item.nodeid  # progress lines name it
     error = item.stash.get(MARKER_ERROR, None)
     if error is not None:
         pytest.fail(f"{item.nodeid}: {error}", pytrace=False)
@@ -243,6 +247,46 @@ def rlk_metrics(request) -> MetricRecorder:
     recorder = MetricRecorder(node.nodeid, tier=node.stash.get(TIER, None), artifact_root=artifact_root)
     node.stash[RECORDER] = recorder
     return recorder
+
+
+class Progress:
+    """Progress lines of a long step on the terminal (through pytest's terminal reporter, with
+    capture suspended for the line), so a minute of vLLM start-up or a TRL A/B is not silence:
+    ``rlk: <test>: <message>``. Silent under ``-qq`` and in xdist workers (no terminal)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def __call__(self, message: str) -> None:
+        config = self._config
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or config.get_verbosity() < -1 or hasattr(config, "workerinput"):
+            return
+        current = config.stash[STATE].current_test
+        where = f"{current.split('::', 1)[-1]}: " if current else ""
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            reporter.ensure_newline()
+            reporter.write_line(f"rlk: {where}{message}")
+
+    @contextlib.contextmanager
+    def step(self, message: str):
+        """``with rlk_progress.step("vLLM: start the engine, generate"):`` a line when it starts,
+        one when it ends, with its duration (or that it failed)."""
+        start = time.monotonic()
+        self(f"{message} ...")
+        try:
+            yield
+        except BaseException:
+            self(f"{message}: failed after {time.monotonic() - start:.0f} s")
+            raise
+        self(f"{message}: done in {time.monotonic() - start:.0f} s")
+
+
+@pytest.fixture(scope="session")
+def rlk_progress(request) -> Progress:
+    """Progress of long steps on the terminal: ``rlk_progress("...")`` or ``with rlk_progress.step("...")``."""
+    return Progress(request.config)
 
 
 class RunFiles:

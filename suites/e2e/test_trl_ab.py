@@ -95,10 +95,12 @@ def _perturbed_variant(spec: ABSpec) -> ABSpec:
 
 
 @pytest.fixture(scope="module")
-def dense_cpu_ab(tmp_path_factory) -> ABRun:
+def dense_cpu_ab(tmp_path_factory, rlk_progress) -> ABRun:
     out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
     spec = load_spec(DENSE_CPU)
-    return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))])
+    with rlk_progress.step(f"TRL GRPO A/B {DENSE_CPU.stem}: baseline, kernels and a perturbed arm "
+                           f"(65-90 s on 2 cores; arm logs under {out})"):
+        return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))])
 
 
 @pytest.mark.cpu
@@ -162,12 +164,13 @@ def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk
 @pytest.mark.cpu
 @pytest.mark.tiny
 @pytest.mark.moe
-def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys):
+def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys, rlk_progress):
     """`rlk e2e run <shipped MoE case>`: the CLI hands the TRL spec to this engine end to end."""
     from pytest_rlk.cli import main as rlk_main
 
     out = tmp_path / "run"
-    assert rlk_main(["e2e", "run", MOE_CPU.stem, "--out", str(out)]) == 0
+    with rlk_progress.step(f"rlk e2e run {MOE_CPU.stem} (TRL GRPO A/B, 55-70 s on 2 cores; arm logs under {out})"):
+        assert rlk_main(["e2e", "run", MOE_CPU.stem, "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert f"A/B {MOE_CPU.stem} on cpu: PASS" in printed.out and f"report: {out / 'report' / 'report.md'}" in printed.out
     # progress while the arms ran: every rollout of both arms, with its reward

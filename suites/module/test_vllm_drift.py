@@ -77,14 +77,17 @@ def quantile(x: torch.Tensor, q: float) -> float:
     return float(torch.quantile(x.double(), q))
 
 
-def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metrics):
-    model_dir = tiny.save_model_dir("dense", tmp_path / "model", seed=SEED)
-    tokenizer = train_tokenizer()
+def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metrics, rlk_progress):
+    with rlk_progress.step("build a tiny dense Qwen3 and its tokenizer"):
+        model_dir = tiny.save_model_dir("dense", tmp_path / "model", seed=SEED)
+        tokenizer = train_tokenizer()
     prompts = [tokenizer(row["prompt"])["input_ids"] for row in make_prompts(4, SEED)]
     request = {"prompts": prompts, "n": 4, "max_tokens": 16, "seed": SEED, "temperature": 1.0,
                "gpu_memory_utilization": 0.3, "max_model_len": 64, "dtype": "bfloat16"}
     t0 = time.perf_counter()
-    rollout = run_vllm(model_dir, request, tmp_path)
+    with rlk_progress.step(f"vLLM: start the engine, generate {len(prompts)}x{request['n']} samples "
+                           f"(a subprocess; its log: {tmp_path / 'vllm.log'})"):
+        rollout = run_vllm(model_dir, request, tmp_path)
     vllm_wall = time.perf_counter() - t0
     samples = rollout["samples"]
     assert len(samples) == len(prompts) * request["n"]

@@ -45,10 +45,11 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only varian
         pytest.param("nccl", 2, id="nccl-tp2", marks=pytest.mark.gpus(2)),
     ],
 )
-def test_vocab_parallel_kernels_match_megatron(backend, world, tmp_path, rlk_metrics):
+def test_vocab_parallel_kernels_match_megatron(backend, world, tmp_path, rlk_metrics, rlk_progress):
     rlk_metrics.set_seed("case", SEED)
-    mp.spawn(run_worker, args=(world, str(tmp_path / "init"), backend, str(tmp_path), VOCAB, SEED),
-             nprocs=world, join=True)
+    with rlk_progress.step(f"{world} {backend} rank process(es): Megatron, kernels off and on"):
+        mp.spawn(run_worker, args=(world, str(tmp_path / "init"), backend, str(tmp_path), VOCAB, SEED),
+                 nprocs=world, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r, out in enumerate(ranks):
         assert out["backend_ref"].startswith("reference"), f"rank {r}: {out['backend_ref']}"

@@ -194,3 +194,33 @@ def test_row(table, i):
     result.stdout.fnmatch_lines(["file: parity table: .rlk/runs/*/files/parity.txt"])
     run = latest_run(rlk_pytester)
     assert open(run.files["parity table"]).read() == "row 0\nrow 1\nrow 2\n"
+
+
+PROGRESS = """
+import pytest
+
+@pytest.fixture(scope="module")
+def engine(rlk_progress):
+    with rlk_progress.step("engine: load"):
+        print("captured engine output")
+    return "engine"
+
+def test_first(engine, rlk_progress):
+    rlk_progress("generating 4 prompts")
+
+def test_second():
+    pass
+"""
+
+
+def test_progress_lines_reach_the_terminal_through_capture(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_progress": PROGRESS})
+    result = rlk_pytester.runpytest("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["rlk: test_first: engine: load ...",
+                                 "rlk: test_first: engine: load: done in 0 s",
+                                 "rlk: test_first: generating 4 prompts",
+                                 ".*[[]100%[]]"])
+    assert "captured engine output" not in result.stdout.str()  # the test's own output stays captured
+    quiet = rlk_pytester.runpytest("-qq", "-p", "no:cacheprovider")
+    assert "rlk: test_first" not in quiet.stdout.str()
