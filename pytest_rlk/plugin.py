@@ -266,6 +266,9 @@ class Progress:
         where = f"{current.split('::', 1)[-1]}: " if current else ""
         capture = config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            writer = getattr(reporter, "_tw", None)  # under -q the progress dots leave the line open
+            if writer is not None and writer.width_of_current_line:
+                reporter.write("\n")
             reporter.ensure_newline()
             reporter.write_line(f"rlk: {where}{message}")
 

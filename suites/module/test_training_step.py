@@ -89,9 +89,10 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, pro
     # Timings and memory gate against the platform baseline on a GPU only (shared CPU cores are noisy).
     perf_gate = device.type == "cuda"
     for arm, log in logs.items():
-        rlk_metrics.record(f"{arm}_loss", log.loss, direction="two_sided", space="loss", tags=tags, gate=False)
-        rlk_metrics.record(f"{arm}_grad_norm", log.grad_norm, direction="two_sided", space="none", tags=tags,
+        rlk_metrics.record(f"{arm}_loss", log.loss, direction="two_sided", space="loss", tags={**tags, "arm": arm},
                            gate=False)
+        rlk_metrics.record(f"{arm}_grad_norm", log.grad_norm, direction="two_sided", space="none",
+                           tags={**tags, "arm": arm}, gate=False)
         for module, values in log.times_ms.items():
             rlk_metrics.record(f"{arm}_{module}_ms", values, unit="ms", direction="lower_is_better", space="time",
                                tags={**tags, "module": module, "arm": arm}, gate=perf_gate,

@@ -205,6 +205,9 @@ def engine(rlk_progress):
         print("captured engine output")
     return "engine"
 
+def test_before():
+    pass
+
 def test_first(engine, rlk_progress):
     rlk_progress("generating 4 prompts")
 
@@ -216,8 +219,9 @@ def test_second():
 def test_progress_lines_reach_the_terminal_through_capture(rlk_pytester):
     rlk_pytester.makepyfile(**{"suites/op/test_progress": PROGRESS})
     result = rlk_pytester.runpytest("-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["rlk: test_first: engine: load ...",
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([".",  # test_before's dot, then a line of its own for the progress
+                                 "rlk: test_first: engine: load ...",
                                  "rlk: test_first: engine: load: done in 0 s",
                                  "rlk: test_first: generating 4 prompts",
                                  ".*[[]100%[]]"])
