@@ -211,7 +211,9 @@ def plot_arms_over_steps(lines: Sequence[tuple[str, str, Sequence[float]]], *, s
     ax = fig.add_subplot()
     for case, arm, values in lines:
         label = arm if len(cases) == 1 else f"{_short(shown[case], 40)} / {arm}"
-        ax.plot(range(len(values)), values, marker=".", color=ARM_COLORS[arms.index(arm) % len(ARM_COLORS)],
+        k = arms.index(arm)  # later arms thinner, so an arm equal to the first shows inside it
+        ax.plot(range(len(values)), values, marker="ox+."[k % 4], color=ARM_COLORS[k % len(ARM_COLORS)],
+                linewidth=max(1.0, 3.5 - 1.5 * k), alpha=0.9 if k else 0.6,
                 linestyle=styles[cases.index(case) % len(styles)], label=label)
     _shade_warmup(ax, skip)
     ax.set_xlabel("step")
@@ -277,11 +279,42 @@ def plot_arms(run: RunRecord, out_dir: Path) -> list[Chart]:
         arms = list(dict.fromkeys(arm for _, arm, _ in entries))
         names = list(dict.fromkeys(name for name, _, _ in entries))
         values = {(name, arm): float(m.value) for name, arm, m in entries}
-        units = {m.unit for _, _, m in entries}
-        path = _grouped_bars(f"A/B values: {_short(case, 90)}", "value" + (f" [{units.pop()}]" if len(units) == 1 and "" not in units else ""),
-                             names, arms, values, out_dir / f"arms_{_slug(case)}.png")
-        charts.append(Chart(path, ARMS, f"the scalar values each arm recorded in {case}, one bar per arm"))
+        path = out_dir / f"arms_{_slug(case)}.png"
+        if len(arms) == 2:
+            _relative_difference(case, names, arms, values, path)
+            caption = (f"{case}: each value of arm {arms[1]} relative to arm {arms[0]}, (B - A) / |A|; "
+                       "both values written beside each bar")
+        else:
+            _grouped_bars(f"A/B values: {_short(case, 90)}", "value", names, arms, values, path)
+            caption = f"the scalar values each arm recorded in {case}, one bar per arm"
+        charts.append(Chart(path, ARMS, caption))
     return charts
+
+
+def _relative_difference(case: str, names: list[str], arms: list[str],
+                         values: dict[tuple[str, str], float], path: Path) -> Path:
+    """Two arms' scalars of different magnitudes on one axis: B relative to A per name."""
+    a, b = arms
+    rel = []
+    for name in names:
+        va, vb = values.get((name, a), math.nan), values.get((name, b), math.nan)
+        rel.append(0.0 if va == vb else (vb - va) / abs(va) if va else math.copysign(math.inf, vb - va))
+    shown = [r if math.isfinite(r) else 0.0 for r in rel]
+    fig = Figure(figsize=(WIDTH_IN * 0.8, 1.4 + 0.32 * len(names)))
+    ax = fig.add_subplot()
+    ys = list(range(len(names)))[::-1]
+    ax.barh(ys, shown, color=["#c44e52" if r > 0 else "#4c72b0" for r in shown], height=0.6)
+    ax.axvline(0.0, color="black", linewidth=0.8)
+    for y, name, r in zip(ys, names, rel):
+        note = "equal" if r == 0 else "A is 0" if not math.isfinite(r) else f"{r:+.3g}"
+        ax.text(0, y, f"  {note}: A {values.get((name, a), math.nan):.4g}, B {values.get((name, b), math.nan):.4g}",
+                va="center", fontsize="x-small")
+    ax.set_yticks(ys, [_short(n) for n in names], fontsize="x-small")
+    limit = max([abs(x) for x in shown] + [0.01]) * 1.3
+    ax.set_xlim(-limit, limit)
+    ax.set_xlabel(f"(B - A) / |A|   A: {a}, B: {b}")
+    ax.set_title(f"A/B values: {_short(case, 90)}", fontsize="medium")
+    return _save(fig, path)
 
 
 # -- time breakdown ----------------------------------------------------------------------------

@@ -64,5 +64,7 @@ def skip_lines(tests: Iterable[TestRecord], *, reasons_per_cause: int = 5) -> li
         lines += [f"  {cause}: {n} x {reason}" for reason, n in common[:reasons_per_cause]]
         if len(common) > reasons_per_cause:
             rest = common[reasons_per_cause:]
-            lines.append(f"  {cause}: {sum(n for _, n in rest)} more, {len(rest)} other reasons (pytest -rs lists them)")
+            plural = "s" if len(rest) > 1 else ""
+            lines.append(f"  {cause}: {sum(n for _, n in rest)} more under {len(rest)} other reason{plural} "
+                         "(pytest -rs lists them)")
     return lines
