@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_rlk.extras import require_extra  # noqa: E402
+from pytest_rlk.extras import require_extra
 
 require_extra("trl")
 require_extra("datasets")  # TRL's GRPOTrainer reads its prompts from a datasets.Dataset
@@ -33,6 +33,7 @@ from pytest_rlk.e2e import metrics as m  # noqa: E402
 from pytest_rlk.e2e.engines.task import TARGET_WORDS, make_prompts, repeat_reward  # noqa: E402
 from pytest_rlk.e2e.engines.trl.series import METRICS_FILE, read_series  # noqa: E402
 from pytest_rlk.e2e.outcome import ABRun, ExtraArm, gate_arms, load_ab_run, write_run_report  # noqa: E402
+from pytest_rlk.e2e.progress import LineProgress  # noqa: E402
 from pytest_rlk.e2e.runner import run_ab  # noqa: E402
 from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError, load_spec  # noqa: E402
 
@@ -94,13 +95,36 @@ def _perturbed_variant(spec: ABSpec) -> ABSpec:
     return ABSpec.model_validate(raw)
 
 
+class _ToTerminal:
+    """A stream whose lines go to the terminal as rlk progress lines (through pytest's capture)."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            self.progress(text.rstrip())
+
+    def flush(self) -> None:
+        pass
+
+
+class _EveryFourthRollout(LineProgress):
+    """The runner's lines (arms starting and ending), and every fourth rollout of each arm."""
+
+    def step(self, arm, step, total) -> None:
+        if (step.index + 1) % 4 == 0 or step.index + 1 == total:
+            super().step(arm, step, total)
+
+
 @pytest.fixture(scope="module")
 def dense_cpu_ab(tmp_path_factory, rlk_progress) -> ABRun:
     out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
     spec = load_spec(DENSE_CPU)
     with rlk_progress.step(f"TRL GRPO A/B {DENSE_CPU.stem}: baseline, kernels and a perturbed arm "
-                           f"(65-90 s on 2 cores; arm logs under {out})"):
-        return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))])
+                           f"(65-90 s on 2 cores)"):
+        return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))],
+                      progress=_EveryFourthRollout(_ToTerminal(rlk_progress)))
 
 
 @pytest.mark.cpu
