@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,40 @@ def load_backend(name: str) -> str:
     except Exception as exc:  # the factory's own error, named
         raise OptionError(f"--rlk-backend {name!r}: its factory raised {type(exc).__name__}: {exc}") from None
     return f"{backend.id}/{backend.version}"
+
+
+PYTEST_CONFIG_FILES = (("pytest.ini", ""), ("pyproject.toml", "[tool.pytest.ini_options]"),
+                       ("tox.ini", "[pytest]"), ("setup.cfg", "[tool:pytest]"))
+
+
+def _has_pytest_config(folder: Path) -> bool:
+    for name, section in PYTEST_CONFIG_FILES:
+        path = folder / name
+        try:
+            if path.is_file() and (not section or section in path.read_text(encoding="utf-8", errors="replace")):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_rootdir_not_taken(args: Sequence[str], invocation_dir: Path, inipath: Path | None) -> None:
+    """pytest finds its rootdir and configuration before plugin options are known, so the value
+    of ``--rlk-artifacts DIR`` (two words) counts as a test path: an existing DIR outside the
+    project makes it the rootdir, and the project's configuration (testpaths, addopts, markers)
+    is not read. That run cannot work: an OptionError names the option and the ``=`` form."""
+    if inipath is not None:
+        return
+    here = invocation_dir.resolve()
+    if not any(_has_pytest_config(folder) for folder in (here, *here.parents)):
+        return
+    for option, value in zip(args, args[1:]):
+        if option.startswith("--rlk-") and "=" not in option and not value.startswith("-") \
+                and (invocation_dir / value).expanduser().exists():
+            raise OptionError(
+                f"{option} {value}: pytest took {value!r} for a test path and its rootdir (it reads its "
+                f"configuration before plugin options are known), so this project's pytest configuration "
+                f"was not read; write {option}={value}")
 
 
 def resolve_dir(value: str | None, rootdir: Path, default: str) -> Path:

@@ -77,6 +77,8 @@ def pytest_configure(config):
     for line in markers.marker_lines():
         config.addinivalue_line("markers", line)
     try:
+        options.check_rootdir_not_taken(list(config.invocation_params.args), Path(config.invocation_params.dir),
+                                        config.inipath)
         opts = options.build_options(config.getoption, Path(config.rootpath))
     except options.OptionError as exc:
         raise pytest.UsageError(str(exc)) from None

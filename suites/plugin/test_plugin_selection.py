@@ -322,3 +322,18 @@ def test_every_marker_passes_strict_markers(rlk_pytester):
     result = rlk_pytester.runpytest("--strict-markers", "--rlk-platform=cpu", "-rs")
     assert result.ret == pytest.ExitCode.OK
     result.assert_outcomes(skipped=1)  # collected (no unknown-marker error), skipped for hardware
+
+
+def test_a_path_option_pytest_took_for_its_rootdir_is_a_usage_error(rlk_pytester, tmp_path_factory):
+    """`--rlk-artifacts DIR` (two words) with DIR outside the project: pytest reads its
+    configuration before plugin options are known, takes DIR for a test path and its rootdir,
+    and never reads the project's configuration; the plugin says so and names the fix."""
+    rlk_pytester.makepyprojecttoml('[tool.pytest.ini_options]\ntestpaths = ["suites"]\n')
+    rlk_pytester.makepyfile(**{"suites/op/test_one": TEST_BODY.format(name="one")})
+    outside = tmp_path_factory.mktemp("runs_elsewhere")
+    result = rlk_pytester.runpytest("--rlk-artifacts", str(outside))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --rlk-artifacts {outside}: pytest took * for a test path and its rootdir*"
+                                 f"write --rlk-artifacts={outside}"])
+    rlk_pytester.runpytest(f"--rlk-artifacts={outside}").assert_outcomes(passed=1)
+    rlk_pytester.runpytest("--rlk-artifacts", str(rlk_pytester.path / "runs")).assert_outcomes(passed=1)  # not there yet
