@@ -110,7 +110,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     run_path, run = _load_run(args.run, args.artifacts)
     out = args.output or run_path.parent / "report"
     path = write_report(run, out, plots=not args.no_plots)
-    print(f"wrote {path}")
+    print(f"wrote {path} and {path.with_suffix('.html')} (one file, charts inlined)")
     if args.performance is not None:
         from pytest_rlk.performance import collect, update_performance_doc
 
