@@ -168,6 +168,9 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
     lines += [f"file: {description}: {_shown(Path(path))}" for description, path in sorted(run.files.items())]
     lines += slowest_lines(run)
     lines.append(f"run status: {run.status}; artifacts: {run_dir}")
+    if not run.tests:  # session.py: `latest` moves at a run's first result
+        lines.append("latest: not moved (this run recorded no test)")
+        return lines
     lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")
     return lines
 

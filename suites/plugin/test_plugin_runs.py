@@ -162,6 +162,8 @@ def test_latest_skips_runs_without_results_and_names_partial_ones(rlk_pytester, 
     with_results = latest_run_dir(rlk_pytester).resolve()
     stray = rlk_pytester.runpytest("-p", "no:cacheprovider", "-k", "no_such_test")
     assert stray.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    stray.stdout.fnmatch_lines(["latest: not moved (this run recorded no test)"])
+    assert "rlk diff" not in stray.stdout.str()  # nothing of this run to diff or report
     assert latest_run_dir(rlk_pytester).resolve() == with_results
     runs = str(rlk_pytester.path / ".rlk" / "runs")
     assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
