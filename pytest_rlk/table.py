@@ -58,7 +58,10 @@ def diff_table(results: Iterable[GateResult], *, headers: Sequence[str] = DIFF_H
             rows.append(f"  (no baseline file: {len(missing)} gated metrics: {', '.join(c.name for c in missing)})")
             continue
         rows += [comparison_row(c, "  ", short=True) for c in r.comparisons]
-    return "\n".join([format_grouped(headers, rows)] + _notes(results, short=True))
+    notes = [wrapped for note in _notes(results, short=True)
+             for wrapped in textwrap.wrap(note, GROUPED_WIDTH, subsequent_indent="    ",
+                                          break_long_words=False, break_on_hyphens=False)]
+    return "\n".join([format_grouped(headers, rows)] + notes)
 
 
 def format_grouped(headers: Sequence[str], rows: Sequence[list[str] | str]) -> str:

@@ -149,7 +149,7 @@ import pytest
 def test_custom_loss_matches_vime_math_with_a_long_name(rlk_metrics, variant):
     for name in ("kernels_train_rollout_logprob_abs_diff", "dlogits_logp_kernels_vs_megatron", "loss_abs_err"):
         rlk_metrics.record(name, 1.23456789e-7, direction="lower_is_better", space="error",
-                           band={"abs_floor": 1e-5, "source": "the test's tolerance"})
+                           band={"abs_floor": 1e-5, "source": "the test's tolerance " + "(where it comes from) " * 8})
 """
 
 
@@ -167,4 +167,7 @@ def test_diff_table_fits_120_columns_and_says_how_to_record_missing_baselines(rl
     rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu").assert_outcomes(passed=2)
     done = rlk("diff", "latest", cwd=rlk_pytester.path)
     assert done.returncode == 0 and "6 pass" in done.stdout
-    assert max(len(line) for line in done.stdout.splitlines()[1:]) <= 120, done.stdout
+    lines = done.stdout.splitlines()[1:]
+    assert max(len(line) for line in lines) <= 120, done.stdout  # a case name is never split
+    notes = lines[lines.index(next(line for line in lines if line.startswith("band source:"))):]
+    assert len(notes) > 2 and max(len(line) for line in notes) <= 100, done.stdout  # notes wrap
