@@ -68,7 +68,7 @@ def format_grouped(headers: Sequence[str], rows: Sequence[list[str] | str]) -> s
     """A table whose string rows are group titles spanning the line (wrapped at the table width)."""
     cells = [r for r in rows if not isinstance(r, str)]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    line = lambda cs: "  ".join(c.ljust(w) for c, w in zip(cs, widths)).rstrip()  # noqa: E731
+    line = lambda cs: "  ".join(c.ljust(w) for c, w in zip(cs, widths)).rstrip()
     total = max(len(line(headers)), GROUPED_WIDTH)
     out = [line(headers), line(["-" * w for w in widths])]
     for row in rows:
