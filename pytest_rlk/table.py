@@ -113,7 +113,7 @@ def record_command(run: RunRecord) -> str:
 
 def missing_baseline_lines(run: RunRecord, results: Iterable[GateResult]) -> list[str]:
     """Where baselines are missing: how many, where, and the exact command that records them."""
-    missing = [r for r in results if r.missing_baseline]
+    missing = [r for r in results if r.missing_baseline and not r.baseline_written]  # not the ones this run recorded
     if not missing:
         return []
     dirs = sorted({_shown(Path(r.baseline_path).parent) for r in missing if r.baseline_path})

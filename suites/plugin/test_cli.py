@@ -163,7 +163,9 @@ def test_diff_table_fits_120_columns_and_says_how_to_record_missing_baselines(rl
     # the run's own command line (pytester adds its --basetemp) with --rlk-update-baselines=failed
     assert command.startswith("  pytest --rlk-tier=module --rlk-platform=cpu ")
     assert command.endswith(" --rlk-update-baselines=failed")
-    rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu", "--rlk-update-baselines=failed")
+    recording = rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu", "--rlk-update-baselines=failed")
+    recording.stdout.fnmatch_lines(["baselines written: 2"])
+    assert "record them with" not in recording.stdout.str()  # it just did
     rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu").assert_outcomes(passed=2)
     done = rlk("diff", "latest", cwd=rlk_pytester.path)
     assert done.returncode == 0 and "6 pass" in done.stdout
