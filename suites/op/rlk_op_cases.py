@@ -83,11 +83,32 @@ def loss_inputs(
     }
 
 
-def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object]) -> None:
-    """Record a max error (informational: the tolerance table is the gate)."""
+def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object],
+                 band: dict[str, object] | None = None) -> None:
+    """Record a max error (informational: the tolerance table is the gate). ``band``
+    (:func:`tolerance_band`) is what an A/B of two such errors allows (``rlk diff --a-tag``)."""
     rlk_metrics.record(
-        name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False
+        name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False, band=band
     )
+
+
+def tolerance_band(check: str, dtype: torch.dtype, tol: tolerances.Tolerance,
+                   expected: torch.Tensor) -> dict[str, object]:
+    """The tolerance of ``check`` as a bound on a max abs error: ``atol + rtol * max|ref|``, or
+    ``ulp`` x the output dtype's spacing at max|ref| (``expected``: the fp32 reference). An A/B
+    of two backends' errors then regresses only when B is worse than A by more than the op's
+    tolerance (0 -> 1.9e-6 is no regression for a logp within atol 1e-4)."""
+    ref = expected.detach().float()
+    peak = ref.abs().max() if ref.numel() else torch.zeros((), device=ref.device)
+    if tol.ulp is not None:
+        bound = tol.ulp * float(tolerances.spacing(peak.to(dtype).float(), dtype))
+    else:
+        bound = tol.atol + tol.rtol * float(peak)
+    name = tolerances.dtype_name(dtype)
+    base = tolerances.TABLE[(check, name, PLATFORM)]
+    scaled = "" if tol == base else "; scaled for this case by the table's rules"
+    return {"abs_floor": bound, "source": f"kernels.tolerances ({check}, {name}, {PLATFORM}): "
+                                          f"{base.describe()} at max|ref|{scaled} [{base.source}]"}
 
 
 def loss_upstream_grad(
