@@ -83,13 +83,25 @@ def loss_inputs(
     }
 
 
-def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object],
-                 band: dict[str, object] | None = None) -> None:
+def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object], *,
+                 band: dict[str, object]) -> None:
     """Record a max error (informational: the tolerance table is the gate). ``band``
     (:func:`tolerance_band`) is what an A/B of two such errors allows (``rlk diff --a-tag``)."""
     rlk_metrics.record(
         name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False, band=band
     )
+
+
+def assert_close_and_record(
+    rlk_metrics, metric: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype,
+    tags: dict[str, object], *, name: str, upstream: torch.Tensor | float | None = None, terms: int | None = None,
+) -> tolerances.Closeness:
+    """``tolerances.assert_close``, then record the max error as ``metric`` with the op's tolerance
+    as its A/B band, so a tag diff over any tag (backend, dtype, ...) allows what the table allows."""
+    result = tolerances.assert_close(actual, expected, check, dtype, name=name, upstream=upstream, terms=terms)
+    tol = tolerances.get(check, dtype, upstream=upstream, terms=terms)
+    record_error(rlk_metrics, metric, result, tags, band=tolerance_band(check, dtype, tol, expected))
+    return result
 
 
 def tolerance_band(check: str, dtype: torch.dtype, tol: tolerances.Tolerance,
