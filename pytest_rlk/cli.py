@@ -1,4 +1,5 @@
-"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands).
+"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands:
+``rlk e2e ...``, ``rlk nightly``, ``rlk verdict``, ``rlk same``).
 
 ``rlk diff RUN --a-tag backend=X --b-tag backend=Y`` compares two tag selections of one run
 (``pytest_rlk.tag_diff``).
@@ -25,7 +26,7 @@ from pytest_rlk.session import merge_run
 from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines
 from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text
 
-EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli")
+EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli")
 
 
 def _load_run(arg: str, artifacts: Path | None) -> tuple[Path, RunRecord]:

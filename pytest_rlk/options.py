@@ -179,6 +179,8 @@ class RlkOptions:
     refresh_rel: float | None = None
     fail_on_improvement: bool = False
     backend: str | None = None
+    shard_gpus: bool = False
+    all_gpu_phase: Path | None = None  # the run dir an all-GPU phase joins (set by its controller)
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -197,4 +199,6 @@ def build_options(getoption, rootdir: Path) -> RlkOptions:
         refresh_rel=parse_refresh_rel(getoption("rlk_refresh_rel")),
         fail_on_improvement=bool(getoption("rlk_fail_on_improvement")),
         backend=parse_backend(getoption("rlk_backend")),
+        shard_gpus=bool(getoption("rlk_shard_gpus")),
+        all_gpu_phase=existing_dir(getoption("rlk_all_gpu_phase"), "--rlk-all-gpu-phase"),
     )

@@ -7,6 +7,7 @@ in a CI command line.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_rlk import hookspec, markers, options, storage
+from pytest_rlk import hookspec, markers, options, sharding, storage
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
@@ -41,6 +42,7 @@ class RlkState:
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
     current_test: str | None = None  # the test being set up or run (named by progress lines)
+    gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
 
 
 STATE = pytest.StashKey[RlkState]()
@@ -52,6 +54,7 @@ GATE_ERROR = pytest.StashKey[str]()
 BACKEND_SEEN = pytest.StashKey[str]()
 UNSERVED = pytest.StashKey[str]()
 MARKER_ERROR = pytest.StashKey[str]()
+NODE_PLATFORM = pytest.StashKey[PlatformInfo]()
 
 
 def pytest_addhooks(pluginmanager):
@@ -72,6 +75,28 @@ def pytest_addoption(parser):
     group.addoption("--rlk-refresh-rel", metavar="X", default=None, help="flag a value better than its baseline by more than max(X*|ref|, abs_floor) as 'refresh the baseline' (default: the metric's band)")
     group.addoption("--rlk-fail-on-improvement", action="store_true", default=False, help="fail tests whose metrics improved beyond the refresh band")
     group.addoption("--rlk-backend", metavar="ID", default=None, help="kernel backend id or 'pkg.module:factory' (exported as VIME_RL_KERNEL_BACKEND)")
+    group.addoption("--rlk-shard-gpus", action="store_true", default=False, help="with -n auto (or -n N): one xdist worker per GPU, each pinned to its GPU (CUDA_VISIBLE_DEVICES); tests marked gpus(n>1) run afterwards in an all-GPU phase, alone")
+    group.addoption("--rlk-all-gpu-phase", metavar="RUN_DIR", default=None, help=argparse.SUPPRESS)  # set by the controller of a --rlk-shard-gpus run
+
+
+def _node_platform(config, override: str | None) -> PlatformInfo:
+    """This machine's platform, detected once per process (the xdist worker count asks early)."""
+    if NODE_PLATFORM not in config.stash:
+        plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
+        config.stash[NODE_PLATFORM] = rlk_platform.with_override(plat, override)
+    return config.stash[NODE_PLATFORM]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto --rlk-shard-gpus``: one worker per GPU."""
+    if not config.getoption("rlk_shard_gpus", False) or config.getoption("rlk_all_gpu_phase", None):
+        return None
+    try:
+        platform = _node_platform(config, options.parse_platform(config.getoption("rlk_platform")))
+        return len(sharding.node_gpu_ids(platform, os.environ, sharding.fake_gpu_count())) or None
+    except (options.OptionError, sharding.ShardError) as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_configure(config):
@@ -87,13 +112,13 @@ def pytest_configure(config):
     if workerinput and "rlk_platform" in workerinput:  # the controller detected it already
         plat = PlatformInfo.model_validate_json(workerinput["rlk_platform"])
     else:
-        plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
-        plat = rlk_platform.with_override(plat, opts.platform_override)
+        plat = _node_platform(config, opts.platform_override)
     if opts.backend is not None and not workerinput:
         _check_backend_loads(opts.backend, plat)
     state = RlkState(opts=opts, platform=plat, worker=workerinput["workerid"] if workerinput else None)
     if workerinput and workerinput.get("rlk_run_dir"):
         state.run_dir = Path(workerinput["rlk_run_dir"])
+    _configure_sharding(config, state, workerinput)
     if opts.backend is not None:
         state.saved_backend_env = (options.BACKEND_ENV in os.environ, os.environ.get(options.BACKEND_ENV))
         os.environ[options.BACKEND_ENV] = opts.backend
@@ -131,8 +156,86 @@ def _ensure_run(config) -> Path:
             run_id=new_run_id(), argv=list(config.invocation_params.args), tiers=state.opts.tiers,
             platform=state.platform, suite_root=Path(config.rootpath), vime_root=state.opts.vime_root,
             backend_option=state.opts.backend)
+        manifest.gpu_shards = dict(state.gpu_shards)
         state.run_dir = rlk_session.start_run(state.opts.artifacts, manifest)
     return state.run_dir
+
+
+def _configure_sharding(config, state: RlkState, workerinput: dict | None) -> None:
+    """``--rlk-shard-gpus`` (its controller and workers) and the all-GPU phase that follows it."""
+    opts = state.opts
+    if opts.all_gpu_phase is None and not opts.shard_gpus:
+        return
+    try:
+        if opts.all_gpu_phase is not None:
+            state.worker, state.run_dir = sharding.ALL_GPU_WORKER, opts.all_gpu_phase
+            hooks = _AllGpuPhaseHooks(sharding.read_nodeids(opts.all_gpu_phase))
+        elif workerinput is not None:
+            sharding.check_worker(workerinput, os.environ, config.inipath)
+            hooks = _ShardWorkerHooks()
+        else:
+            sharding.check_xdist(config.pluginmanager.hasplugin("xdist"))
+            config.option.tx, state.gpu_shards = sharding.pin_workers(
+                config.option.tx, state.platform, os.environ, config.invocation_params.args)
+            hooks = _ShardControllerHooks(state)
+    except sharding.ShardError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.pluginmanager.register(hooks, "rlk-shard-gpus")
+
+
+def _held_back(items: list) -> list:
+    """Remove the tests that wait for the all-GPU phase from ``items``; returns them."""
+    keep, held = sharding.split_held_back(
+        items, lambda item: ([(m.name, m.args) for m in item.iter_markers()], UNSERVED in item.stash))
+    items[:] = keep
+    return held
+
+
+class _ShardWorkerHooks:
+    """An xdist worker pinned to one GPU: it leaves the multi-GPU tests to the all-GPU phase."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in _held_back(items)]
+
+
+class _AllGpuPhaseHooks:
+    """The all-GPU phase: only the tests the workers left to it."""
+
+    def __init__(self, nodeids: list[str]) -> None:
+        self.nodeids = set(nodeids)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        drop = [item for item in items if item.nodeid not in self.nodeids]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for item in items if item.nodeid in self.nodeids]
+
+
+class _ShardControllerHooks:
+    """Pins each worker to its GPU, then runs the all-GPU phase once the workers are done."""
+
+    def __init__(self, state: RlkState) -> None:
+        self.state = state
+        self.held: dict[str, None] = {}  # nodeids, in the order the workers reported them
+
+    def pytest_configure_node(self, node):
+        node.workerinput.update(sharding.worker_input(node.gateway.spec.env, node.config.inipath))
+
+    def pytest_testnodedown(self, node, error):
+        self.held.update(dict.fromkeys(getattr(node, "workeroutput", {}).get(sharding.WORKEROUTPUT_KEY, ())))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session):
+        result = yield  # the workers' phase; raises when it was stopped (-x, Ctrl-C)
+        if self.held and self.state.run_dir is not None and not session.shouldfail and not session.shouldstop:
+            config = session.config
+            session.testsfailed += sharding.run_all_gpu_phase(
+                list(self.held), self.state.run_dir, invocation_args=config.invocation_params.args,
+                cwd=config.invocation_params.dir, gpus=self.state.gpu_shards[sharding.ALL_GPU_WORKER],
+                say=config.get_terminal_writer().line)
+        return result
 
 
 class _XdistHooks:

@@ -179,6 +179,8 @@ class RunManifest(_Strict):
     kernel_backend_ids: list[str] = Field(default_factory=list)
     kernel_backend_option: str | None = None
     seeds: dict[str, dict[str, int]] = Field(default_factory=dict)  # nodeid -> {name: seed}
+    # --rlk-shard-gpus: xdist worker id (and "all-gpus") -> the CUDA_VISIBLE_DEVICES it ran with
+    gpu_shards: dict[str, str] = Field(default_factory=dict)
 
 
 class TestRecord(_Strict):

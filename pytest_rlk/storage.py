@@ -205,3 +205,8 @@ def resolve_run_file(arg: str | Path, artifacts: Path | None = None) -> Path:
     if text != LATEST and Path(text).suffix == ".json":
         return Path(text)
     return resolve_run_dir(arg, artifacts) / RUN_FILE
+
+
+def load_model(path: Path, model: type[M]) -> M:
+    """Any other schema'd JSON file (a nightly plan, ...): errors name the file and the field."""
+    return _validate(path, model, _read_json(path))
