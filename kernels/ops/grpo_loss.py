@@ -303,11 +303,12 @@ def _one_wave(device: torch.device, num_warps: int) -> int:
 
 
 def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                        reduction: str, call_id: int) -> torch.Tensor:
+                        reduction: str, call_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.reference.reductions.token_weights in one launch (one program per sample), the
-    packing checked on the device (a report under ``call_id``, kernels/device_errors.py)."""
+    packing checked on the device (a report under ``call_id``, kernels/device_errors.py);
+    written into ``out`` (fp32 [T]) if given."""
     num_tokens = loss_mask.shape[0]
-    weights = torch.empty(num_tokens, dtype=torch.float32, device=loss_mask.device)
+    weights = torch.empty(num_tokens, dtype=torch.float32, device=loss_mask.device) if out is None else out
     word = device_errors.word_for(loss_mask.device)
     if lengths is not None:
         offsets, kind, samples = to_device(lengths, loss_mask.device), 1, lengths.shape[0]
@@ -338,9 +339,10 @@ class GrpoLossFunction(torch.autograd.Function):
     def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, loss_mask, lengths, cu_seqlens,
                 config, temperature, ignore_index, inplace, call_id):  # type: ignore[override]
         num_tokens, vocab = logits.shape
-        per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
+        # rows 0-6: the kernels' per-token terms (see _grpo_loss_kernel); row 7: the reduction weights
+        per_token = torch.empty((8, num_tokens), dtype=torch.float32, device=logits.device)
         has_ref = ref_logp is not None
-        weights = fused_token_weights(loss_mask, lengths, cu_seqlens, config.reduction, call_id)
+        weights = fused_token_weights(loss_mask, lengths, cu_seqlens, config.reduction, call_id, out=per_token[7])
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
         if isinstance(plan, one_read_kernel.OneReadPlan):
             # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
@@ -371,7 +373,7 @@ class GrpoLossFunction(torch.autograd.Function):
             HAS_KL=config.kl_loss_coef != 0.0, BLOCK=SUMS_BLOCK, num_warps=SUMS_WARPS,
         )
         ctx.unit_grad = unit_grad
-        ctx.row_stats = per_token[4:]
+        ctx.row_stats = per_token[4:7]
         ctx.weights = weights
         ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
         ctx.backward_done = False

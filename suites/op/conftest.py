@@ -40,6 +40,18 @@ def triton_strict(monkeypatch):
 
 
 @pytest.fixture
+def user_default(monkeypatch):
+    """What a user of the kernels runs: ``VIME_RL_KERNEL=1`` and nothing else (every other kernel
+    setting at its default). The benchmarks time the public API this way."""
+    from kernels import settings
+
+    for setting in settings.SETTINGS.values():
+        if setting.group == "kernels" and setting.name != "VIME_RL_KERNEL":
+            monkeypatch.delenv(setting.name, raising=False)
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+
+
+@pytest.fixture
 def kernels_off(monkeypatch):
     """All switches cleared: every op runs the reference."""
     import kernels

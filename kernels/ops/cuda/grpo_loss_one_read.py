@@ -82,23 +82,32 @@ def enabled() -> bool:
 
 
 def plan(logits: torch.Tensor) -> OneReadPlan | str:
-    """How to run the one-read kernel on ``logits`` [T, V], or why it cannot run (a sentence)."""
+    """How to run the one-read kernel on ``logits`` [T, V], or why it cannot run (a sentence).
+    Decided once per (device, dtype, V, strides, alignment): host time of every call."""
     if not enabled():
         return "RLK_GRPO_ONE_READ=0"
-    if logits.device.type != "cuda":
-        return f"logits on {logits.device.type}, not CUDA"
-    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    device = logits.device
+    if device.type != "cuda":
+        return f"logits on {device.type}, not CUDA"
+    return _plan(device.index, logits.dtype, logits.shape[1], logits.stride(0), logits.stride(1),
+                 logits.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(index: int | None, dtype: torch.dtype, vocab: int, row_stride: int, col_stride: int,
+          aligned: bool) -> OneReadPlan | str:
+    if index is None:
+        index = torch.cuda.current_device()
     if _capability(index) < (9, 0):
         return "thread-block clusters need compute capability 9.0 or newer"
-    suffix = _SUFFIX.get(logits.dtype)
+    suffix = _SUFFIX.get(dtype)
     if suffix is None:
-        return f"dtype {logits.dtype}"
-    itemsize = logits.element_size()
-    vocab = logits.shape[1]
-    if logits.stride(1) != 1:
+        return f"dtype {dtype}"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if col_stride != 1:
         return "logits rows are not contiguous"
-    if logits.data_ptr() % 16 or (logits.stride(0) * itemsize) % 16 or (vocab * itemsize) % 16:
-        return f"rows not 16-byte aligned (V={vocab}, row stride {logits.stride(0)}, {itemsize}-byte elements)"
+    if not aligned or (row_stride * itemsize) % 16 or (vocab * itemsize) % 16:
+        return f"rows not 16-byte aligned (V={vocab}, row stride {row_stride}, {itemsize}-byte elements)"
     shape = cut(vocab, itemsize)
     if shape is None:
         return f"a row of {vocab * itemsize} bytes exceeds {max(CLUSTER_SIZES)} x {MAX_SLICE_BYTES} bytes of shared memory"
