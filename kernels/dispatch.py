@@ -81,18 +81,20 @@ def _record_fallback(op: str, reason: str) -> None:
 
 def select(op: str, **case: Any) -> tuple[backends.Backend, Callable[..., Any]]:
     """The backend and implementation serving ``op`` for this ``case`` (see backends/base.py)."""
-    reference = backends.get_backend(REFERENCE_BACKEND)
     if not _KERNELS() or not op_allowed(op):
+        reference = backends.get_backend(REFERENCE_BACKEND)
         return reference, reference.get(op)
     name = _BACKEND()
     try:
         backend = backends.get_backend(name)
     except (backends.BackendLoadError, ImportError) as exc:
         _record_fallback(op, f"backend {name!r} unavailable: {exc}")
+        reference = backends.get_backend(REFERENCE_BACKEND)
         return reference, reference.get(op)
     reason = backend.supports(op, **case)
     if reason is not None:
         _record_fallback(op, reason)
+        reference = backends.get_backend(REFERENCE_BACKEND)
         return reference, reference.get(op)
     return backend, backend.get(op)
 

@@ -336,8 +336,14 @@ class GrpoLossFunction(torch.autograd.Function):
     dlogits; backward: the dlogits kernel (or, one-read, a rewrite only when grad_output != 1)."""
 
     @staticmethod
-    def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, loss_mask, lengths, cu_seqlens,
-                config, temperature, ignore_index, inplace, call_id):  # type: ignore[override]
+    def forward(ctx, logits, call):  # type: ignore[override]
+        # the call (kernels/contracts/grpo_loss.py) rides along as one argument: autograd looks at
+        # each argument of apply, and only the logits are differentiated (host time of every call)
+        ids, config, temperature, ignore_index = call.target_ids, call.config, call.temperature, call.ignore_index
+        old_logp, ref_logp, advantages, rollout_logp = (
+            f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp))
+        loss_mask, lengths, cu_seqlens = call.loss_mask, call.lengths, call.cu_seqlens
+        inplace, call_id = call.inplace_backward, call.deferred
         num_tokens, vocab = logits.shape
         # rows 0-6: the kernels' per-token terms (see _grpo_loss_kernel); row 7: the reduction weights
         per_token = torch.empty((8, num_tokens), dtype=torch.float32, device=logits.device)
@@ -405,7 +411,7 @@ class GrpoLossFunction(torch.autograd.Function):
             logits.stride(0), grad.stride(0), vocab, ctx.ignore_index, float(ctx.temperature), num_tokens,
             BLOCK_V=block, SCALE=ctx.temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
         )
-        return grad, None, None, None, None, None, None, None, None, None, None, None, None, None
+        return grad, None
 
 
 def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -418,16 +424,15 @@ def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Te
         logp = LogpFunction.apply(logits, call.target_ids, call.temperature, call.ignore_index, call.tp_group,
                                   call.deferred)
         return reduce_grpo_loss(logp, call, call.sample_lengths(num_tokens, logits.device))
-
-    def f32(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(torch.float32).contiguous()
-
-    loss, metrics = GrpoLossFunction.apply(
-        logits, call.target_ids, f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp),
-        call.loss_mask, call.lengths, call.cu_seqlens, call.config, call.temperature, call.ignore_index,
-        call.inplace_backward, call.deferred,
-    )
+    loss, metrics = GrpoLossFunction.apply(logits, call)
     return loss, dict(zip(METRIC_NAMES, metrics.unbind(0), strict=False))
+
+
+def f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` as fp32 contiguous (itself when it is already)."""
+    if x is None or (x.dtype == torch.float32 and x.is_contiguous()):
+        return x
+    return x.to(torch.float32).contiguous()
 
 
 grpo_loss = entry_point(GrpoLossCall, grpo_loss_call, name="grpo_loss", checks_values=True)

@@ -39,7 +39,7 @@ def _inputs(num_tokens, vocab, dtype):
         "ref_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
         "advantages": torch.randn(num_tokens, device="cuda", generator=gen),
         "loss_mask": torch.rand(num_tokens, device="cuda", generator=gen) > 0.1,
-        "lengths": torch.full((num_tokens // SEQ,), SEQ, device="cuda"),
+        "lengths": torch.full((max(1, num_tokens // SEQ),), min(SEQ, num_tokens), device="cuda"),
     }
     return logits, ids, kw
 

@@ -24,6 +24,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_device_report_left_over():
+    """A report an earlier test's kernel left in an error word (kernels/device_errors.py) is
+    cleared first: each test sees only its own calls' reports."""
+    from kernels import device_errors
+
+    for word in list(device_errors._words.values()):
+        if word.device.type == "cuda":
+            torch.cuda.synchronize(word.device)
+        word.take()
+
+
 @pytest.fixture
 def triton_strict(monkeypatch):
     """Kernels on, rlk-triton backend, strict: a parity test can never compare reference to reference."""

@@ -22,16 +22,6 @@ CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def _clean_word():
-    """Every test starts and ends with no report pending (a failing test leaves none behind)."""
-    for word in device_errors._words.values():
-        word.take()
-    yield
-    for word in device_errors._words.values():
-        word.take()
-
-
 @pytest.fixture
 def deferred(monkeypatch):
     """Leave the value checks to the kernels on any device (on CPU: through the interpreter)."""
@@ -249,10 +239,11 @@ def test_a_bad_id_on_the_gpu_surfaces_at_raise_pending_errors(triton_strict):
     logits = _logits(num_tokens, vocab, torch.bfloat16).requires_grad_()
     ids = torch.randint(0, vocab, (num_tokens,), device=DEVICE)
     ids[17] = vocab
+    kw = _loss_inputs(num_tokens, lengths=None)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, _ = kernels.grpo_loss(logits, ids, config=CONFIG, **_loss_inputs(num_tokens, lengths=None))
+        loss, _ = kernels.grpo_loss(logits, ids, config=CONFIG, **kw)
         torch.autograd.grad(loss, logits)
     finally:
         torch.cuda.set_sync_debug_mode("default")
