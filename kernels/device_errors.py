@@ -24,6 +24,10 @@ and the call; :func:`raise_pending_errors` (``kernels.raise_pending_errors()``) 
 device and raises for any call made so far: the vime and TRL adapters call it where they already
 synchronize, so a bad batch is reported by the end of its step at the latest.
 
+A call captured in a CUDA graph keeps its call id: a replay that meets bad input reports under
+the captured call's number. The word of a device is allocated once and never freed (graphs keep
+its address).
+
 ``VIME_RL_KERNEL_CHECK_IDS=strict`` keeps the checks on the host before the launch (one host sync
 per check, the error raised by the call itself). CPU tensors (the reference, the Triton interpreter)
 are always checked on the host before the launch: reading them costs no wait.

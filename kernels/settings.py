@@ -106,7 +106,7 @@ def parse_tiles(text: str) -> TileConfig:
     return tiles
 
 
-_TYPE_NAMES = {parse_flag: "flag", parse_check_mode: "on|strict|off", parse_text: "text", parse_path: "path", parse_positive_int: "positive int",
+_TYPE_NAMES = {parse_flag: "flag", parse_check_mode: "on, strict or off", parse_text: "text", parse_path: "path", parse_positive_int: "positive int",
                parse_op_list: "op list", parse_tiles: "tiles"}
 
 
