@@ -12,8 +12,8 @@ from kernels import device_errors
 from kernels.contracts.call import tensor_case, tp_world
 from kernels.contracts.checks import (
     IGNORE_INDEX,
-    check_kl_type,
     check_ids_values,
+    check_kl_type,
     check_lengths,
     check_lengths_values,
     check_logits,

@@ -8,9 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kernels.contracts.call import tensor_case, tp_world
 from kernels import device_errors
-from kernels.contracts.checks import check_ids_values, check_target_ids, check_temperature, check_tensor
+from kernels.contracts.call import tensor_case, tp_world
+from kernels.contracts.checks import (
+    check_ids_values,
+    check_target_ids,
+    check_temperature,
+    check_tensor,
+)
 
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -64,7 +64,6 @@ from kernels.ops.logp import (
     vocab_block,
 )
 from kernels.ops.ratio_kl import kl_type_code, kl_value_and_grad
-from kernels.reference.grpo_loss import reduce_grpo_loss
 from kernels.ops.value_checks import (
     INPUT_CU_SEQLENS,
     INPUT_LENGTHS,
@@ -73,6 +72,7 @@ from kernels.ops.value_checks import (
     bad_target,
     report_bad_value,
 )
+from kernels.reference.grpo_loss import reduce_grpo_loss
 
 logger = logging.getLogger("kernels")
 _two_read_reasons_logged: set[str] = set()

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlk_bench import OURS, dtype_bytes, liger_available, measure, record_host_overhead, record_limit
+from rlk_bench import (
+    OURS,
+    dtype_bytes,
+    liger_available,
+    measure,
+    record_host_overhead,
+    record_limit,
+)
 
 from kernels import LossConfig, grpo_loss
 from kernels.reference import grpo_loss as reference_grpo_loss
