@@ -90,6 +90,12 @@ def test_bad_packing_raises_on_the_host(triton_strict, monkeypatch, case):
         kernels.grpo_loss(_logits(), _ids(), config=CONFIG, **_loss_inputs(**_on_device(over)))
 
 
+def test_empty_lengths_raise_at_the_call(triton_strict):
+    with pytest.raises(ValueError, match=r"lengths is empty \(B == 0\)"):
+        kernels.grpo_loss(_logits(), _ids(), config=CONFIG,
+                          **_loss_inputs(lengths=torch.zeros(0, dtype=torch.int64, device=DEVICE)))
+
+
 def test_strict_mode_raises_at_the_call_on_any_device(triton_strict, monkeypatch):
     monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "strict")
     ids = _ids()
