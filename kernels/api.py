@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from kernels import dispatch, library
-from kernels.contracts import GrpoLossCall, LinearLogpCall, LogpCall, RatioKLCall, entry_point
+from kernels.contracts import (
+    GrpoLossCall,
+    LinearLogpCall,
+    LogpCall,
+    RatioKLCall,
+    entry_point,
+)
 
 
 def _logp(call: LogpCall) -> torch.Tensor:

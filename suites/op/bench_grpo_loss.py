@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from rlk_bench import OURS, dtype_bytes, liger_available, measure, record_limit
+from rlk_compiled import measure_compiled
 
+import kernels
 from kernels import LossConfig
 from kernels.ops.grpo_loss import grpo_loss
 from kernels.reference import grpo_loss as reference_grpo_loss
@@ -77,6 +79,12 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
         return torch.autograd.grad(loss, x)
 
     measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags, graph=True)
+
+    def compiled_ours(f):
+        loss, _ = f(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, bytes_moved, tags)
 
     compiled = torch.compile(reference_grpo_loss)
 

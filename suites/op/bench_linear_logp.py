@@ -20,7 +20,9 @@ from collections.abc import Callable
 import pytest
 import torch
 from rlk_bench import measure, record_limit
+from rlk_compiled import COMPILED, measure_compiled
 
+import kernels
 from kernels import tolerances
 from kernels.ops.linear_logp import BWD_MATMUL_ENV, linear_logp
 from kernels.reference.linear_logp import fp32_logits
@@ -159,6 +161,14 @@ def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch, pass_
 
         fn = forward if pass_name == "fwd" else forward_backward
         measured[name] = measure(rlk_metrics, name, fn, bytes_moved, tags)
+    def compiled_ours(f):
+        if pass_name == "fwd":
+            with torch.no_grad():
+                return f(hidden, weight, ids)
+        return torch.autograd.grad(f(hidden, weight, ids), (hidden, weight), upstream)
+
+    monkeypatch.delenv(BWD_MATMUL_ENV, raising=False)
+    measured[COMPILED] = measure_compiled(rlk_metrics, kernels.linear_logp, compiled_ours, bytes_moved, tags)
     summary = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in measured.items())
     missing = sorted({"trl", "liger"} - set(impls))
     print(f"\nlinear_logp {pass_name} {CASE} on {torch.cuda.get_device_name()}: {summary}; "

@@ -111,7 +111,7 @@ def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 def _opcheck_samples(x: dict[str, torch.Tensor]) -> dict[str, tuple]:
     """Arguments of every operator (forward with the differentiable inputs requiring grad)."""
     c = CONFIG
-    grad = lambda t: t.detach().requires_grad_()  # noqa: E731
+    grad = lambda t: t.detach().requires_grad_()
     config = (c.eps_clip, c.eps_clip_high, c.eps_clip_c, c.kl_loss_coef, c.kl_type, c.use_unbiased_kl, c.use_tis,
               c.tis_clip_low, c.tis_clip_high, c.reduction, c.gspo)
     stats = torch.ops.rlk.logp(x["logits"], x["ids"], 0.7, -100, True)[1]
