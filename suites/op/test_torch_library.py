@@ -243,3 +243,24 @@ def test_cuda_graph_capture_and_replay(op, compiled, backend):
     expected = run_with_grads(OPS[op][1], static, wrt)
     assert_bitwise([o.clone() for o in outputs], expected[0])
     assert_bitwise([g.clone() for g in grads], expected[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bad_ids_inside_a_cuda_graph_are_reported(compiled, monkeypatch):
+    """An out-of-range id written into a captured graph's input is reported after the replay
+    (the kernels' device error word), never a silent number."""
+    if not hasattr(kernels, "raise_pending_errors"):
+        pytest.skip("needs the sync-free input checks (kernels.raise_pending_errors)")
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    fn = torch.compile(_logp, fullgraph=True) if compiled else _logp
+    x = inputs()
+    static, _, _ = _graphed(fn, x, ("logits",))
+    kernels.raise_pending_errors()  # the captured data is good
+    static["ids"][4] = V + 5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_with_grads(fn, static, ("logits",))
+    graph.replay()
+    with pytest.raises(ValueError, match="target_ids"):
+        kernels.raise_pending_errors()
