@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rlk_bench import OURS, measure, record_host_overhead, record_limit
-from rlk_compiled import measure_compiled
+from rlk_compiled import COMPILED, measure_compiled
 
 import kernels
 from kernels.ops import ratio_kl as ratio_kl_op
@@ -55,7 +55,8 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
         ratio, kl = f(leaf, old, ref, mask, kl_type=kl_type)
         return torch.autograd.grad([ratio, kl], leaf, [g, g])
 
-    measure_compiled(rlk_metrics, kernels.ratio_kl, compiled_fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"})
+    measure_compiled(rlk_metrics, kernels.ratio_kl, compiled_fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
+                     impl=f"{COMPILED}_fwd_bwd")
     assert result_ms > 0
 
 

@@ -18,12 +18,12 @@ KERNELS_ON = {"VIME_RL_KERNEL": "1", "VIME_RL_KERNEL_STRICT": "1"}
 
 
 def measure_compiled(rlk_metrics, op_fn: Callable[..., Any], run: Callable[[Callable[..., Any]], object],
-                     bytes_moved: int, tags: dict[str, object], **kwargs: Any) -> float:
+                     bytes_moved: int, tags: dict[str, object], *, impl: str = COMPILED, **kwargs: Any) -> float:
     """Time ``run(torch.compile(op_fn, fullgraph=True))`` with the kernels on (strict: a fallback
-    raises rather than time the reference); returns the median ms."""
+    raises rather than time the reference), recorded as ``impl``; returns the median ms."""
     compiled = torch.compile(op_fn, fullgraph=True)
     with mock.patch.dict(os.environ, KERNELS_ON):
-        return measure(rlk_metrics, COMPILED, lambda: run(compiled), bytes_moved,
+        return measure(rlk_metrics, impl, lambda: run(compiled), bytes_moved,
                        {**tags, "variant": "torch.compile(fullgraph) of the public call"}, **kwargs)
 
 
