@@ -3,11 +3,14 @@
 Each function's parameters, shapes, dtypes and checks are its contract's (kernels/contracts/):
 a call is checked once, here, then runs on the implementation :mod:`kernels.dispatch` picks (the
 fp32 reference by default; ``VIME_RL_KERNEL=1`` turns on the kernel backend), so a bad input is
-an error naming it on every backend, never a fallback.
+an error naming it on every backend, never a fallback. The checks that read device data (ids
+range, packed lengths) run in the kernels of a backend that checks them on the device, else on the
+host before the backend runs (:func:`kernels.dispatch.run`).
 
 Under ``torch.compile`` a checked call goes through its PyTorch operator (``torch.ops.rlk.<op>``,
-kernels/library/), whose implementation runs the same dispatch per call: the compiler traces it
-without a graph break. An eager call skips the operator layer (its host time) for the same bits.
+kernels/library/), whose implementation runs the same dispatch and value checks per call: the
+compiler traces it without a graph break. An eager call skips the operator layer (its host time)
+for the same bits.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ def _linear_logp(call: LinearLogpCall) -> torch.Tensor:
     return dispatch.run("linear_logp", call)
 
 
-logp = entry_point(LogpCall, _logp, name="logp")
-ratio_kl = entry_point(RatioKLCall, _ratio_kl, name="ratio_kl")
-grpo_loss = entry_point(GrpoLossCall, _grpo_loss, name="grpo_loss")
-linear_logp = entry_point(LinearLogpCall, _linear_logp, name="linear_logp")
+logp = entry_point(LogpCall, _logp, name="logp", checks_values=True)
+ratio_kl = entry_point(RatioKLCall, _ratio_kl, name="ratio_kl", checks_values=True)
+grpo_loss = entry_point(GrpoLossCall, _grpo_loss, name="grpo_loss", checks_values=True)
+linear_logp = entry_point(LinearLogpCall, _linear_logp, name="linear_logp", checks_values=True)
 
 __all__ = ["grpo_loss", "linear_logp", "logp", "ratio_kl"]

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernels import backends, settings
+from kernels.contracts.checks import check_call_values
 
 logger = logging.getLogger("kernels")
 
@@ -97,10 +98,16 @@ def select(op: str, **case: Any) -> tuple[backends.Backend, Callable[..., Any]]:
 
 
 def run(op: str, call: Any) -> Any:
-    """Run ``op``'s checked ``call`` (kernels/contracts/) on the implementation that serves it."""
+    """Run ``op``'s checked ``call`` (kernels/contracts/) on the implementation that serves it.
+
+    The value checks the call left to the device (``call.deferred``) run on the host first unless
+    the backend's kernels check them (``backend.checks_values``, kernels/device_errors.py)."""
     if not _KERNELS():  # the default: the reference, without building the case
+        check_call_values(call)
         return backends.get_backend(REFERENCE_BACKEND).get(op)(call)
-    _, impl = select(op, **call.case())
+    backend, impl = select(op, **call.case())
+    if op not in getattr(backend, "checks_values", ()):
+        check_call_values(call)
     return impl(call)
 
 

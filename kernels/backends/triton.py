@@ -40,6 +40,8 @@ class TritonBackend(BaseBackend):
     id = "rlk-triton"
     version = TRITON_BACKEND_VERSION
     capabilities = Capabilities(ops=frozenset(OPS))
+    # every op's kernels check the ids range and packed lengths on the device (kernels/device_errors.py)
+    checks_values = frozenset(OPS)
 
     def check_case(self, op: str, **case: Any) -> str | None:
         missing = _triton_missing()
@@ -55,7 +57,10 @@ class TritonBackend(BaseBackend):
     def get(self, op: str) -> Callable[..., Any]:
         if op not in self.capabilities.ops:
             raise KeyError(f"{self.id} does not implement {op!r}")
-        # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call
+        # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call;
+        # linear_logp's kernels take their ids check from kernels/ops/value_checks.py
+        if op == "linear_logp":
+            return import_function("kernels.ops.value_checks", "linear_logp_call")
         return import_function(f"kernels.ops.{op}", f"{op}_call")
 
 

@@ -331,6 +331,7 @@ def policy_loss(args: Any, batch: dict, logits: torch.Tensor,
     metrics[backend_metric_name(kernels.backend_id())] = torch.ones((), device=device)
     for name, ms in timer.results_ms().items():
         metrics[name] = torch.tensor(ms, device=device)
+    kernels.raise_pending_errors(device)  # the timer just synced: bad ids/lengths the kernels found raise here
     return loss, metrics
 
 

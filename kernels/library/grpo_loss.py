@@ -25,7 +25,13 @@ import torch
 
 from kernels import dispatch
 from kernels.contracts import METRIC_NAMES, GrpoLossCall, LossConfig
-from kernels.library.serve import autograd_inside, needs_grad, serving, trusted
+from kernels.library.serve import (
+    autograd_inside,
+    check_values,
+    needs_grad,
+    serving,
+    trusted,
+)
 
 
 def _call(logits, target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp,
@@ -33,7 +39,7 @@ def _call(logits, target_ids, old_logp, ref_logp, advantages, loss_mask, lengths
     return trusted(GrpoLossCall, logits=logits, target_ids=target_ids, old_logp=old_logp, ref_logp=ref_logp,
                    advantages=advantages, loss_mask=loss_mask, lengths=lengths, cu_seqlens=cu_seqlens,
                    rollout_logp=rollout_logp, config=config, temperature=temperature, ignore_index=ignore_index,
-                   num_tokens=logits.shape[0], tp_world=1)
+                   num_tokens=logits.shape[0], vocab=logits.shape[1], tp_world=1, deferred=0)
 
 
 @torch.library.custom_op("rlk::grpo_loss", mutates_args=())
@@ -49,13 +55,16 @@ def grpo_loss_forward(
     rest = (target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp, config,
             temperature, ignore_index)
     call = _call(logits, *rest)
+    check_values("grpo_loss", call, target_ids, *logits.shape)
     _, impl = serving("grpo_loss", call)
     if not unit_grad:
         loss, metrics = impl(call)
         return loss, torch.stack([metrics[name] for name in METRIC_NAMES]), logits.new_empty((0, logits.shape[1]))
     leaf = logits.detach().requires_grad_()
+    differentiable = _call(leaf, *rest)
+    differentiable.deferred = call.deferred
     with autograd_inside():
-        loss, metrics = impl(_call(leaf, *rest))
+        loss, metrics = impl(differentiable)
         (dlogits,) = torch.autograd.grad(loss, leaf)
     return loss.detach(), torch.stack([metrics[name] for name in METRIC_NAMES]), dlogits
 

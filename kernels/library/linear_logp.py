@@ -18,18 +18,19 @@ import torch
 
 from kernels import dispatch
 from kernels.contracts import LinearLogpCall
-from kernels.library.serve import recomputed_grads, serving, trusted
+from kernels.library.serve import check_values, recomputed_grads, serving, trusted
 
 
 def _call(hidden, weight, bias, target_ids, temperature: float) -> LinearLogpCall:
     return trusted(LinearLogpCall, hidden=hidden, weight=weight, target_ids=target_ids, bias=bias,
-                   temperature=temperature, global_vocab=weight.shape[0], tp_world=1)
+                   temperature=temperature, global_vocab=weight.shape[0], tp_world=1, deferred=0)
 
 
 @torch.library.custom_op("rlk::linear_logp", mutates_args=())
 def linear_logp_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         target_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     call = _call(hidden, weight, bias, target_ids, temperature)
+    check_values("linear_logp", call, target_ids, hidden.shape[0], weight.shape[0])
     _, impl = serving("linear_logp", call)
     return impl(call)
 

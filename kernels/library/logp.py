@@ -16,19 +16,25 @@ import torch
 
 from kernels import dispatch
 from kernels.contracts import LogpCall
-from kernels.library.serve import needs_grad, recomputed_grads, serving, trusted
+from kernels.library.serve import (
+    check_values,
+    needs_grad,
+    recomputed_grads,
+    serving,
+    trusted,
+)
 
 
 def _call(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, ignore_index: int) -> LogpCall:
     return trusted(LogpCall, logits=logits, target_ids=target_ids, temperature=temperature, ignore_index=ignore_index,
-                   num_tokens=logits.shape[0], vocab=logits.shape[1], tp_world=1)
+                   num_tokens=logits.shape[0], vocab=logits.shape[1], tp_world=1, deferred=0)
 
 
 def _triton_forward(call: LogpCall) -> tuple[torch.Tensor, torch.Tensor]:
     from kernels.ops.logp import logp_forward_stats
 
     logp, row_max, sumexp, _ = logp_forward_stats(call.logits, call.target_ids, call.temperature, call.ignore_index,
-                                                  None)
+                                                  None, call.deferred)
     return logp, torch.stack((row_max, sumexp))
 
 
@@ -49,6 +55,7 @@ SPLITS = {"rlk-triton": (_triton_forward, _triton_backward)}
 def logp_forward(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, ignore_index: int,
                  stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
     call = _call(logits, target_ids, temperature, ignore_index)
+    check_values("logp", call, target_ids, *logits.shape)
     backend, impl = serving("logp", call)
     split = SPLITS.get(backend)
     if stats and split is not None:

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from kernels import backends, dispatch
+from kernels import backends, device_errors, dispatch
+from kernels.contracts import checks
 
 C = TypeVar("C")
 
@@ -33,10 +34,24 @@ C = TypeVar("C")
 def serving(op: str, call: Any) -> tuple[str, Callable[[Any], Any]]:
     """(backend id, implementation) that serves ``op``'s checked ``call`` now (as ``dispatch.run``)."""
     if not dispatch.kernels_enabled():  # the default: the reference, without building the case
-        reference = backends.get_backend(dispatch.REFERENCE_BACKEND)
-        return reference.id, reference.get(op)
-    backend, impl = dispatch.select(op, **call.case())
+        backend = backends.get_backend(dispatch.REFERENCE_BACKEND)
+        impl = backend.get(op)
+    else:
+        backend, impl = dispatch.select(op, **call.case())
+    if op not in getattr(backend, "checks_values", ()):
+        checks.check_call_values(call)
     return backend.id, impl
+
+
+def check_values(op: str, call: Any, ids: torch.Tensor, num_tokens: int, vocab: int) -> None:
+    """The value checks (ids range, packed lengths) of a forward operator's call, at run time: the
+    public function skips them while it is traced. CPU tensors (or ``strict``): now, on the host;
+    device tensors: left to the kernels of a backend that checks them (a call id for the device
+    error word, kernels/device_errors.py), else to :func:`serving`'s host check."""
+    mode = checks.defer_value_check(ids)
+    if mode is False:
+        call.check_values()
+    call.deferred = device_errors.begin_call(op, num_tokens, vocab) if mode else 0
 
 
 def trusted(call_type: type[C], **values: Any) -> C:
@@ -103,4 +118,4 @@ def needs_grad(*tensors: torch.Tensor | None) -> list[bool]:
     return [on and t is not None and t.requires_grad for t in tensors]
 
 
-__all__ = ["autograd_inside", "needs_grad", "recomputed_grads", "serving", "trusted"]
+__all__ = ["autograd_inside", "check_values", "needs_grad", "recomputed_grads", "serving", "trusted"]

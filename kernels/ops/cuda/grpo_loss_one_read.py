@@ -42,6 +42,7 @@ SIGNATURE = (
     "i64", "i64", "i32", "i32", "i32", "i64",  # stride_row stride_grad T V slice ignore_index
     "f32", "f32", "f32", "f32", "f32", "f32", "f32",  # temperature eps_low eps_high eps_c tis_low tis_high kl_coef
     "i32",  # flags
+    "ptr", "i64",  # the error word (pinned host memory), the call id (kernels/device_errors.py)
 )
 
 
@@ -126,10 +127,13 @@ def launch(
     the_plan: OneReadPlan, logits: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, old_logp: torch.Tensor,
     ref_logp: torch.Tensor | None, advantages: torch.Tensor, rollout_logp: torch.Tensor | None,
     weights: torch.Tensor, per_token: torch.Tensor, config, temperature: float, ignore_index: int, kl_code: int,
+    error_word: int, call_id: int,
 ) -> None:
     """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1.
 
-    ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits."""
+    ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits.
+    A row whose id is outside [0, V) and not ignore_index gets NaN terms and dlogits, and a report
+    under ``call_id`` at ``error_word`` (its address; kernels/device_errors.py)."""
     num_tokens, vocab = logits.shape
     defines = (() if THREADS == 512 else (f"RLK_THREADS={THREADS}",)) + EXTRA_DEFINES
     kernel = build.load_module(SOURCE, logits.device, defines).kernel(the_plan.kernel, SIGNATURE)
@@ -141,7 +145,7 @@ def launch(
         (rollout_logp if config.use_tis else old_logp).data_ptr(), weights.data_ptr(), per_token.data_ptr(),
         logits.stride(0), grad.stride(0), num_tokens, vocab, the_plan.slice, ignore_index,
         temperature, config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
-        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags,
+        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags, error_word, call_id,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
