@@ -264,3 +264,15 @@ def test_bad_ids_inside_a_cuda_graph_are_reported(compiled, monkeypatch):
     graph.replay()
     with pytest.raises(ValueError, match="target_ids"):
         kernels.raise_pending_errors()
+
+
+def test_compiled_call_checks_ids(backend):
+    """Bad ids reach a compiled call's operator, which checks them at run time (the traced public
+    function cannot): on CPU an error naming target_ids at once, on a GPU through the error word."""
+    x = inputs()
+    compiled = torch.compile(_logp, fullgraph=True)
+    compiled(x)
+    x["ids"][4] = V + 5
+    with pytest.raises(ValueError, match="target_ids"):
+        compiled(x)
+        kernels.raise_pending_errors()
