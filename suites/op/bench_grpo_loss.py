@@ -23,7 +23,9 @@ from rlk_bench import (
     record_host_overhead,
     record_limit,
 )
+from rlk_compiled import measure_compiled
 
+import kernels
 from kernels import LossConfig, grpo_loss
 from kernels.reference import grpo_loss as reference_grpo_loss
 
@@ -85,6 +87,12 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
         return torch.autograd.grad(loss, x)
 
     measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags)
+
+    def compiled_ours(f):
+        loss, _ = f(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, bytes_moved, tags)
 
     compiled = torch.compile(reference_grpo_loss)
 

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlk_bench import OURS, dtype_bytes, liger_available, record_host_overhead, measure, record_limit
+from rlk_bench import (
+    OURS,
+    dtype_bytes,
+    liger_available,
+    measure,
+    record_host_overhead,
+    record_limit,
+)
+from rlk_compiled import measure_compiled
 
+import kernels
 from kernels import logp
 from kernels.reference import selected_logprob
 
@@ -43,6 +52,7 @@ def test_bench_logp_forward(rlk_metrics, dtype_name, shape):
         ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, graph=True)
         compiled = torch.compile(selected_logprob)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logits, ids), bytes_moved, tags)
+        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags)
         if liger_available() and num_tokens % LIGER_SEQ == 0:
             from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
@@ -77,6 +87,8 @@ def test_bench_logp_forward_backward(rlk_metrics, dtype_name, shape):
 
     measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
     measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
+    measure_compiled(rlk_metrics, kernels.logp, lambda f: torch.autograd.grad(f(logits, ids), logits, grad),
+                     bytes_moved, tags)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64])
@@ -89,3 +101,4 @@ def test_bench_logp_small_launch_bound(rlk_metrics, num_tokens):
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, memory=False, graph=True)
         record_host_overhead(rlk_metrics, lambda: logp(logits, ids), tags)
+        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags, memory=False)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from rlk_bench import OURS, measure, record_host_overhead, record_limit
+from rlk_compiled import COMPILED, measure_compiled
 
+import kernels
 from kernels import ratio_kl
 from kernels.ops import ratio_kl as ratio_kl_op
 from kernels.reference import ratio_kl as reference_ratio_kl
@@ -36,6 +38,8 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
         compiled = torch.compile(reference_ratio_kl)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
                 {**tags, "pass": "fwd"})
+        measure_compiled(rlk_metrics, kernels.ratio_kl, lambda f: f(logp, old, ref, mask, kl_type=kl_type),
+                         fwd_bytes, {**tags, "pass": "fwd"})
     leaf = logp.clone().requires_grad_()
     g = torch.ones(NUM_TOKENS, device="cuda")
 
@@ -47,6 +51,13 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
     record_limit(rlk_metrics, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"}, name="hbm_limit_fwd_bwd_ms")
     result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
                         graph=True, gate=True)
+
+    def compiled_fwd_bwd(f):
+        ratio, kl = f(leaf, old, ref, mask, kl_type=kl_type)
+        return torch.autograd.grad([ratio, kl], leaf, [g, g])
+
+    measure_compiled(rlk_metrics, kernels.ratio_kl, compiled_fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
+                     impl=f"{COMPILED}_fwd_bwd")
     assert result_ms > 0
 
 
