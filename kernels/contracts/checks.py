@@ -242,6 +242,6 @@ def check_lengths_values(lengths: torch.Tensor | None, cu_seqlens: torch.Tensor 
 def check_call_values(call: object) -> None:
     """Run the value checks a call deferred to the device (``call.deferred``), now, on the host:
     for a backend whose kernels do not check them. A call that deferred nothing costs one attribute read."""
-    if getattr(call, "deferred", False):
+    if getattr(call, "deferred", 0):
         call.check_values()  # type: ignore[attr-defined]
-        call.deferred = False  # type: ignore[attr-defined]
+        call.deferred = 0  # type: ignore[attr-defined]  # an int: a bool is another Triton signature
