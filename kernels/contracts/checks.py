@@ -243,5 +243,11 @@ def check_call_values(call: object) -> None:
     """Run the value checks a call deferred to the device (``call.deferred``), now, on the host:
     for a backend whose kernels do not check them. A call that deferred nothing costs one attribute read."""
     if getattr(call, "deferred", 0):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{type(call).__name__}: this backend's kernels do not check input values, so they are checked "
+                "on the host (a device sync), which CUDA-graph capture cannot hold; capture with a backend that "
+                "checks them in its kernels (rlk-triton: VIME_RL_KERNEL=1), or VIME_RL_KERNEL_CHECK_IDS=off"
+            )
         call.check_values()  # type: ignore[attr-defined]
         call.deferred = 0  # type: ignore[attr-defined]  # an int: a bool is another Triton signature
