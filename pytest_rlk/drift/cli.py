@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow a model's own code (transformers and vLLM); off unless given")
     parser.add_argument("--no-plot", action="store_true", help="no drift.png (machines without matplotlib)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms (and cuBLAS's workspace setting) for the training "
+                             "forward: when A0 is not bitwise on a GPU, this tells scheduling noise from numerics")
 
 
 def add_subcommands(subparsers) -> None:
@@ -187,6 +190,9 @@ def _drift(args: argparse.Namespace) -> int:
 
     from pytest_rlk.drift.runner import write_outputs
 
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DriftUsageError("--device cuda: no CUDA device here")

@@ -64,6 +64,7 @@ class LadderResult:
     comparisons: list[Comparison]
     seconds: float
     software: dict[str, str | None] = field(default_factory=dict)
+    deterministic: bool = False  # torch.use_deterministic_algorithms was on
     space: str = SPACE
 
     def rung(self, rung: str) -> list[Comparison]:
@@ -150,7 +151,8 @@ def run_ladder(model_dir: str | Path, batch: TokenBatch, specs: list[ComparisonS
         model=label or Path(model_dir).name, model_dir=str(model_dir), checkpoint=checkpoint, device=str(device),
         hardware=hardware(device), token_source=batch.source, sampling=dataclasses.asdict(batch.sampling),
         active_tokens=batch.active_tokens, preconditions=sides.preconditions().to_dict(),
-        comparisons=comparisons, seconds=time.perf_counter() - t_start, software=software_versions())
+        comparisons=comparisons, seconds=time.perf_counter() - t_start, software=software_versions(),
+        deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def _side_keys(spec: ComparisonSpec) -> list[tuple[SideConfig, int]]:

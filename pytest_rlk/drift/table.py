@@ -134,7 +134,7 @@ def render(results: list[LadderResult], *, plot: Path | None = None, plot_note: 
         p = r.preconditions
         lines += [f"## {r.model}", "",
                   f"- model dir: `{r.model_dir}` (checkpoint {r.checkpoint}); device {r.device} ({r.hardware}); "
-                  f"ladder time {r.seconds:.1f}s",
+                  f"ladder time {r.seconds:.1f}s; deterministic algorithms {'on' if r.deterministic else 'off'}",
                   f"- tokens: {r.active_tokens} active response tokens sampled by {r.token_source}; sampling "
                   + ", ".join(f"{k} {v}" for k, v in r.sampling.items()),
                   f"- preconditions every comparison shares: token ids {p['token_ids']}, masks {p['masks']}, "

@@ -35,9 +35,16 @@ QWEN3_0P6B_VOCAB = 151936
 QWEN3_0P6B_SIZE = TinyModelSize(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                                 num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                                 max_position_embeddings=4096)
-# LM-head std of the drift models: hidden states after the final RMSNorm have unit scale, so the
-# logits' std is ~ sqrt(hidden_size) * std = 8 * 0.4 = 3.2, a trained model's order.
-TRAINED_LIKE_LM_HEAD_STD = 0.4
+# The drift models' logit spread: hidden states after the final RMSNorm have unit scale, so an LM
+# head of std s gives logits of std ~ sqrt(hidden_size) * s; 3.2 is a trained model's order.
+TRAINED_LIKE_LOGIT_STD = 3.2
+
+
+def trained_like_lm_head_std(size: TinyModelSize) -> float:
+    return TRAINED_LIKE_LOGIT_STD / size.hidden_size ** 0.5
+
+
+TRAINED_LIKE_LM_HEAD_STD = trained_like_lm_head_std(TINY_SIZE)  # 0.4
 DRIFT_SEED = 99
 DRIFT_SAMPLING = Sampling(temperature=1.0, n=4, max_tokens=32, seed=DRIFT_SEED)
 
@@ -84,12 +91,17 @@ def drift_prompts(n: int = 4, seed: int = DRIFT_SEED) -> list[list[int]]:
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
-def save_drift_models(out_dir: Path) -> dict[str, Path]:
+def save_drift_models(out_dir: Path, *, qwen3_0p6b_sized: bool = False) -> dict[str, Path]:
     """The drift ladder's dense and MoE models (trained-like logits) under ``out_dir/<kind>``, and
-    ``out_dir/prompts.json`` (token ids, for ``rlk drift --prompts``)."""
+    ``out_dir/prompts.json`` (token ids, for ``rlk drift --prompts``); with ``qwen3_0p6b_sized``
+    also ``out_dir/dense-0p6b``, a random model of Qwen3-0.6B's shape and vocab (2.4 GB, for GPUs)."""
     out_dir = Path(out_dir)
     models = {kind: save_model_dir(kind, out_dir / kind, seed=DRIFT_SEED, lm_head_std=TRAINED_LIKE_LM_HEAD_STD)
               for kind in ("dense", "moe")}
+    if qwen3_0p6b_sized:
+        models["dense-0p6b"] = save_model_dir(
+            "dense", out_dir / "dense-0p6b", seed=DRIFT_SEED, vocab_size=QWEN3_0P6B_VOCAB, size=QWEN3_0P6B_SIZE,
+            lm_head_std=trained_like_lm_head_std(QWEN3_0P6B_SIZE))
     (out_dir / "prompts.json").write_text(json.dumps(drift_prompts()))
     return models
 
@@ -130,7 +142,11 @@ def roll_out_drift_models(out_dir: Path, sampling: Sampling = DRIFT_SAMPLING) ->
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    for kind, path in save_drift_models(Path(sys.argv[1])).items():
+    parser = argparse.ArgumentParser(description="write the drift ladder's models and prompts (for rlk drift)")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--qwen3-0p6b-sized", action="store_true", help="also a Qwen3-0.6B-shaped model (2.4 GB)")
+    ns = parser.parse_args()
+    for kind, path in save_drift_models(ns.out, qwen3_0p6b_sized=ns.qwen3_0p6b_sized).items():
         print(f"{kind}: {path}")
