@@ -42,6 +42,19 @@ def kernel_switches(on: bool, backend: str | None = None) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _unservable() -> Iterator[None]:
+    """A strict-mode fallback (the backend cannot serve this case: an op it lacks, a device, a
+    dtype) makes the side unavailable, with the dispatcher's reason; it is never measured as the
+    reference under the kernel's name."""
+    from kernels import KernelFallbackError
+
+    try:
+        yield
+    except KernelFallbackError as exc:
+        raise SideUnavailable(str(exc)) from exc
+
+
 def _backend_for(arith: str) -> tuple[bool, str | None]:
     return {"reference": (False, None), "kernels": (True, None), "kernels-linear": (True, None),
             "liger": (True, "liger")}[arith]
@@ -59,7 +72,7 @@ def logp_from_logits(arith: str, logits: torch.Tensor, ids: torch.Tensor, temper
     on, backend = _backend_for(arith)
     if arith == "liger":
         _require("liger_kernel", "the liger backend needs `pip install liger-kernel`")
-    with kernel_switches(on, backend):
+    with kernel_switches(on, backend), _unservable():
         kernels.reset_fallback_counts()
         logp = kernels.logp(logits.contiguous(), ids, temperature, tp_group=tp_group)
         return logp.float(), kernels.backend_id()
@@ -72,7 +85,7 @@ def logp_from_hidden(arith: str, hidden: torch.Tensor, weight: torch.Tensor, bia
 
     if arith != "kernels-linear":
         raise ValueError(f"{arith}: only kernels-linear reads hidden states")
-    with kernel_switches(True):
+    with kernel_switches(True), _unservable():
         kernels.reset_fallback_counts()
         logp = kernels.linear_logp(hidden.contiguous(), weight, ids, bias, temperature)
         return logp.float(), kernels.backend_id() + " linear_logp"

@@ -146,8 +146,7 @@ def sample_with_hf(model: torch.nn.Module, prompts: list[list[int]], sampling: S
     """``sampling.n`` responses of exactly ``sampling.max_tokens`` tokens per prompt with
     transformers' ``generate`` (seeded; EOS does not stop a response)."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    torch.manual_seed(sampling.seed)  # generate draws from the global generators (CPU and CUDA)
     out_prompts, responses = [], []
     for prompt in prompts:
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
