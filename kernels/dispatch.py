@@ -1,6 +1,6 @@
 """Which implementation serves an op call: environment switches, backend choice, loud fallback.
 
-Switches (read at every call, so tests can flip them with ``monkeypatch.setenv``):
+Switches (kernels/settings.py; read at every call, so tests can flip them with ``monkeypatch.setenv``):
 
 * ``VIME_RL_KERNEL=1`` turns the kernels on. Off (default): every op runs the reference, and
   that is not a fallback (nothing is logged or counted).
@@ -11,7 +11,7 @@ Switches (read at every call, so tests can flip them with ``monkeypatch.setenv``
 * ``VIME_RL_KERNEL_STRICT=1``: any fallback raises :class:`KernelFallbackError` instead.
 
 A fallback happens when the op is enabled and allowed but the backend cannot be loaded or its
-``supports(op, **case)`` returns a reason (no CUDA and no interpreter, dtype, TP layout, ...).
+``supports(op, **call.case())`` returns a reason (no CUDA and no interpreter, dtype, TP layout, ...).
 It logs ONE warning line per (op, reason) per process (``kernels: <op> falls back to reference:
 <reason>``) and counts every such call in :func:`fallback_counts`. An exception raised *inside*
 a backend is not a fallback: it propagates (no silent fallbacks).
@@ -20,17 +20,17 @@ a backend is not a fallback: it propagates (no silent fallbacks).
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kernels import backends
+from kernels import backends, settings
 
 logger = logging.getLogger("kernels")
 
-DEFAULT_BACKEND = "rlk-triton"
+DEFAULT_BACKEND = settings.BACKEND.default
 REFERENCE_BACKEND = "reference"
+_KERNELS, _STRICT, _OPS, _BACKEND = settings.KERNELS.get, settings.STRICT.get, settings.OPS.get, settings.BACKEND.get
 
 _fallback_counts: Counter[str] = Counter()
 _fallback_reasons: dict[str, Counter[str]] = {}
@@ -46,33 +46,26 @@ class KernelFallbackError(RuntimeError):
         self.reason = reason
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def kernels_enabled() -> bool:
-    return _truthy("VIME_RL_KERNEL")
+    return _KERNELS()
 
 
 def strict_mode() -> bool:
-    return _truthy("VIME_RL_KERNEL_STRICT")
+    return _STRICT()
 
 
 def allowed_ops() -> frozenset[str] | None:
     """The allowlist, or None for all ops."""
-    raw = os.environ.get("VIME_RL_KERNEL_OPS", "").strip()
-    if raw in ("", "*"):
-        return None
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return _OPS()
 
 
 def op_allowed(op: str) -> bool:
-    allow = allowed_ops()
-    return allow is None or op in allow or "*" in allow
+    allow = _OPS()
+    return allow is None or op in allow
 
 
 def configured_backend_name() -> str:
-    return os.environ.get("VIME_RL_KERNEL_BACKEND", "").strip() or DEFAULT_BACKEND
+    return _BACKEND()
 
 
 def _record_fallback(op: str, reason: str) -> None:
@@ -88,9 +81,9 @@ def _record_fallback(op: str, reason: str) -> None:
 def select(op: str, **case: Any) -> tuple[backends.Backend, Callable[..., Any]]:
     """The backend and implementation serving ``op`` for this ``case`` (see backends/base.py)."""
     reference = backends.get_backend(REFERENCE_BACKEND)
-    if not kernels_enabled() or not op_allowed(op):
+    if not _KERNELS() or not op_allowed(op):
         return reference, reference.get(op)
-    name = configured_backend_name()
+    name = _BACKEND()
     try:
         backend = backends.get_backend(name)
     except (backends.BackendLoadError, ImportError) as exc:
@@ -103,10 +96,12 @@ def select(op: str, **case: Any) -> tuple[backends.Backend, Callable[..., Any]]:
     return backend, backend.get(op)
 
 
-def call(op: str, case: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``op`` on the selected implementation."""
-    _, impl = select(op, **case)
-    return impl(*args, **kwargs)
+def run(op: str, call: Any) -> Any:
+    """Run ``op``'s checked ``call`` (kernels/contracts/) on the implementation that serves it."""
+    if not _KERNELS():  # the default: the reference, without building the case
+        return backends.get_backend(REFERENCE_BACKEND).get(op)(call)
+    _, impl = select(op, **call.case())
+    return impl(call)
 
 
 def fallback_counts() -> dict[str, int]:
@@ -129,7 +124,7 @@ def reset_fallback_counts() -> None:
 def backend_id() -> str:
     """``id/version`` of the backend ops would use now: the reference when kernels are off or
     the configured backend cannot be loaded (per-case fallbacks are in fallback_counts())."""
-    name = configured_backend_name() if kernels_enabled() else REFERENCE_BACKEND
+    name = _BACKEND() if _KERNELS() else REFERENCE_BACKEND
     try:
         backend = backends.get_backend(name)
     except (backends.BackendLoadError, ImportError):

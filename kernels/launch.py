@@ -50,12 +50,13 @@ such reason is logged ONCE as a warning and kept in :func:`disabled_reason`.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import triton
+
+from kernels import settings
 
 logger = logging.getLogger("kernels")
 
@@ -64,18 +65,15 @@ logger = logging.getLogger("kernels")
 # profile scratch, packed metadata, launch metadata, enter hook, exit hook, then every kernel
 # argument in signature order, constexprs included; a pointer as a tensor or an int).
 VERIFIED_TRITON = ("3.6.",)
-ENV_SWITCH = "VIME_RL_KERNEL_FAST_LAUNCH"
-VERIFY_SWITCH = "RLK_VERIFY_LAUNCH_KEYS"
+ENV_SWITCH = settings.FAST_LAUNCH.name
+VERIFY_SWITCH = settings.VERIFY_LAUNCH_KEYS.name
 # the ranges Triton sorts an int argument by (i32, i64, u64); ops' own launch keys use them too
 I32_MIN, I32_MAX, U64_MIN = -(2**31), 2**31 - 1, 2**63
 
 # why the fast path is off in this process (None: on, or not decided yet)
-_disabled: str | None = (
-    f"switched off by {ENV_SWITCH}" if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
-    else None
-)
+_disabled: str | None = None if settings.FAST_LAUNCH.get() else f"switched off by {ENV_SWITCH}"
 # every keyed call re-derives Triton's specialization and checks it against the op's key (tests)
-verify_keys: bool = os.environ.get(VERIFY_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
+verify_keys: bool = settings.VERIFY_LAUNCH_KEYS.get()
 _runtime: _Runtime | None = None  # Triton's entry points, resolved at the first compiled launch
 # under torch.compile, dynamo traces ``kernel[grid](...)`` (a user-defined Triton kernel) as before
 _is_compiling: Callable[[], bool] = torch.compiler.is_compiling

@@ -18,6 +18,13 @@ def import_project_kernels() -> ModuleType:
     return module
 
 
+def import_project_settings() -> ModuleType:
+    """``kernels.settings`` of the project's ``kernels`` (importing it does not import torch), or
+    ImportError naming a foreign ``kernels`` package and the fix."""
+    import_project_kernels()
+    return importlib.import_module("kernels.settings")
+
+
 def _foreign_message(module: ModuleType) -> str:
     where = getattr(module, "__file__", None) or repr(module)
     return (

@@ -1,4 +1,4 @@
-"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge`` (+ extension commands).
+"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands).
 
 ``rlk diff RUN --a-tag backend=X --b-tag backend=Y`` compares two tag selections of one run
 (``pytest_rlk.tag_diff``).
@@ -129,6 +129,26 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    """Every setting (kernels/settings.py): effective value, default and source; or docs/settings.md."""
+    from pytest_rlk._kernels_guard import import_project_settings
+
+    try:
+        settings = import_project_settings()
+    except ImportError as exc:
+        print(f"rlk: error: {exc}", file=sys.stderr)
+        return 2
+    if args.markdown:
+        print(settings.render_markdown(), end="")
+        return 0
+    rows = [("variable", "value", "default", "source")]
+    rows += [(e.name, e.value, e.default, e.source) for e in settings.effective()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    return 1 if any(e.value.startswith("INVALID") for e in settings.effective()) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlk", description="pytest-rlk runs: diff, report, merge")
     parser.add_argument("--artifacts", type=Path, default=None,
@@ -162,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="merge a run's part files into run.json (crashed runs too)")
     merge.add_argument("run_dir", metavar="DIR", help="a run dir or 'latest'")
     merge.set_defaults(func=cmd_merge)
+
+    env = sub.add_parser("env", help="print every setting (environment variable): value, default, source")
+    env.add_argument("--markdown", action="store_true", help="print docs/settings.md (the settings table) instead")
+    env.set_defaults(func=cmd_env)
 
     for name in EXTENSION_MODULES:
         try:

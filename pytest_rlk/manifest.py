@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform as py_platform
 import secrets
 import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 
+from pytest_rlk._kernels_guard import import_project_settings
 from pytest_rlk.schema import PlatformInfo, RunManifest
 
 # Distribution names, read through importlib.metadata: nothing heavy gets imported.
@@ -56,10 +57,20 @@ def git_state(root: Path) -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
-def kernel_backend_ids() -> list[str]:
-    """``kernels.backend_id()`` if our ``kernels`` is already imported (importing it may be slow)."""
+def _imported_kernels_api() -> ModuleType | None:
+    """Our ``kernels`` if its API is already loaded (loading it imports torch; reading
+    ``kernels.settings`` alone does not load it)."""
     mod = sys.modules.get("kernels")
     if mod is None or not getattr(mod, "__rlk_kernels__", False):
+        return None
+    loaded = "kernels.dispatch" in sys.modules or "fallback_counts" in vars(mod)
+    return mod if loaded else None
+
+
+def kernel_backend_ids() -> list[str]:
+    """``kernels.backend_id()`` if our ``kernels`` ops are already imported."""
+    mod = _imported_kernels_api()
+    if mod is None:
         return []
     backend_id = getattr(mod, "backend_id", None)
     if not callable(backend_id):
@@ -71,22 +82,26 @@ def kernel_backend_ids() -> list[str]:
 
 
 def kernel_fallback_counts() -> dict[str, int]:
-    mod = sys.modules.get("kernels")
-    if mod is None or not getattr(mod, "__rlk_kernels__", False):
+    mod = _imported_kernels_api()
+    if mod is None:
         return {}
     counts = getattr(mod, "fallback_counts", None)
     return {str(k): int(v) for k, v in counts().items()} if callable(counts) else {}
 
 
-SUITE_COMMIT_ENV = "RLK_SUITE_COMMIT"
+SUITE_COMMIT_ENV = "RLK_SUITE_COMMIT"  # kernels/settings.py SUITE_COMMIT
 
 
 def suite_state(root: Path) -> tuple[str | None, bool | None]:
     """(commit, dirty) of this suite, from git. A copied tree (a lent GPU machine, a container
-    image) may have no ``.git``, or a stale one (the lent machines once reported the session's
-    first commit, dirty, for a tree two commits later): whoever copied it states the commit in
-    ``RLK_SUITE_COMMIT``, which then wins over git (dirty is unknown, None)."""
-    stated = os.environ.get(SUITE_COMMIT_ENV, "").strip()
+    image) may have no ``.git``, or a stale one (git would report an older commit, dirty): whoever
+    copied it states the commit in ``RLK_SUITE_COMMIT``, which then wins over git (dirty is
+    unknown, None). Where a foreign ``kernels`` package shadows ours, the setting cannot be read
+    here (the plugin names that package once tests import it) and git decides."""
+    try:
+        stated = import_project_settings().SUITE_COMMIT.get()
+    except ImportError:
+        stated = None
     if stated:
         return stated, None
     return git_state(root)

@@ -1,8 +1,9 @@
 """Backend registry: built-ins, explicit registrations, dotted paths and entry points.
 
 Lookup order for a name: explicitly registered (``register_backend``), built-in
-(``reference``, ``rlk-triton``), a dotted path ``pkg.module:factory``, then the entry-point group
-``pytest_rlk.backends``. Backends are created once per name and cached.
+(``reference``, ``rlk-triton``, and the adapters ``liger`` and ``rl_engine``), a dotted path
+``pkg.module:factory``, then the entry-point group ``pytest_rlk.backends``. Backends are created
+once per name and cached. The interface a backend implements: kernels/backends/base.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ ENTRY_POINT_GROUP = "pytest_rlk.backends"
 BUILTIN_BACKENDS: dict[str, str] = {
     "reference": "kernels.backends.reference:make_backend",
     "rlk-triton": "kernels.backends.triton:make_backend",
-    # [issue 9 backends] third-party adapters (import their library only when loaded)
+    # adapters of third-party libraries: their library is imported only when the backend is loaded
     "liger": "kernels.backends.liger:make_backend",
     "rl_engine": "kernels.backends.rl_engine:make_backend",
 }

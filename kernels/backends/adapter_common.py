@@ -1,6 +1,6 @@
 """Helpers shared by the third-party adapters (``liger.py``, ``rl_engine.py``).
 
-An adapter maps our op contract (kernels/__init__.py) onto another library's functions only where
+An adapter maps our op contract (kernels/contracts/) onto another library's functions only where
 the math is vime's. Every rule that says "not the same math" is written once, as a function that
 returns the reason (a string) or ``None``; ``supports()`` returns that reason (the case is skipped
 or falls back), and the implementation raises ``ValueError`` with the same reason when it is
@@ -9,13 +9,13 @@ called anyway, so no call ever runs with silently different math.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kernels.reference.loss_config import LossConfig
+from kernels import settings
+from kernels.contracts import LossConfig
 
 # LossConfig features and the fields that switch them on, in the order the reasons are checked.
 LOSS_FEATURES: dict[str, Callable[[LossConfig], bool]] = {
@@ -36,15 +36,6 @@ def unsupported_loss_features(config: LossConfig, reasons: dict[str, str]) -> st
     return None
 
 
-def num_samples(lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> int:
-    """Number of packed samples (1 when neither ``lengths`` nor ``cu_seqlens`` is given)."""
-    if lengths is not None:
-        return int(lengths.shape[0])
-    if cu_seqlens is not None:
-        return int(cu_seqlens.shape[0]) - 1
-    return 1
-
-
 def triton_cpu_reason(library: str, device: Any, jit_kernel: Any) -> str | None:
     """Why a Triton kernel of ``library`` cannot run on ``device`` here, or None.
 
@@ -58,7 +49,7 @@ def triton_cpu_reason(library: str, device: Any, jit_kernel: Any) -> str | None:
 
     if isinstance(jit_kernel, InterpretedFunction):
         return None
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
+    if settings.TRITON_INTERPRET.get() == "1":
         return f"{library}'s kernels were imported before TRITON_INTERPRET=1 was set (CPU tensors need the interpreter)"
     return f"{library}'s Triton kernels need CUDA, or TRITON_INTERPRET=1 set before import for CPU tensors"
 

@@ -6,22 +6,26 @@ A backend is an object with:
 * ``capabilities``: a :class:`Capabilities` (what it claims, for tables and quick rejection);
 * ``supports(op, **case) -> str | None``: ``None`` when it can run this exact case, else a short
   human-readable reason (it becomes the fallback log line and the strict-mode error);
-* ``get(op) -> Callable``: the implementation, with the same signature as the public function in
-  ``kernels`` (``kernels.logp``, ``kernels.ratio_kl``, ``kernels.grpo_loss``, ...).
+* ``get(op) -> Callable``: the implementation, a function of one checked call of the op
+  (``impl(call)``, ``call`` a ``kernels.contracts.LogpCall``, ``RatioKLCall``, ``GrpoLossCall`` or
+  ``LinearLogpCall``: its fields are the public function's arguments, already checked; the
+  contract modules in kernels/contracts/ state shapes, dtypes and math). It returns what the
+  public function returns.
 
-The ``case`` passed to ``supports`` (keys are stable; a backend ignores what it does not need):
+The ``case`` passed to ``supports`` (``call.case()``; keys are stable, a backend ignores what it
+does not need):
 
 ======================  =================================================================
-``device``              ``torch.device`` of the main input
-``dtype``               ``torch.dtype`` of logits (``logp``/``grpo_loss``) or logp (``ratio_kl``)
+``device``              ``torch.device`` of the main input (logits, logp or hidden)
+``dtype``               ``torch.dtype`` of the main input
 ``shape``               tuple, shape of the main input
-``temperature``         float (``logp``/``grpo_loss``)
+``temperature``         float (``logp``/``grpo_loss``/``linear_logp``)
 ``tp_world``            int, 1 without a tensor-parallel group
 ``config``              ``LossConfig`` (``grpo_loss``)
 ``kl_type``             str (``ratio_kl``)
 ``use_unbiased_kl``     bool (``ratio_kl``)
 ``inplace_backward``    bool (``grpo_loss``)
-``requires_grad``       bool
+``requires_grad``       bool, of the main input
 ``num_samples``         int, packed samples (``grpo_loss``; 1 without lengths/cu_seqlens)
 ======================  =================================================================
 
@@ -34,6 +38,8 @@ finer rules.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -68,6 +74,12 @@ class Backend(Protocol):
     def supports(self, op: str, **case: Any) -> str | None: ...
 
     def get(self, op: str) -> Callable[..., Any]: ...
+
+
+@functools.cache
+def import_function(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported on first use (a backend loads an op's module only when it serves it)."""
+    return getattr(importlib.import_module(module), name)
 
 
 class BaseBackend:

@@ -1,7 +1,8 @@
 """The ``liger`` backend: Liger-Kernel's GRPO ops mapped onto our contract where the math is vime's.
 
-Register: ``VIME_RL_KERNEL_BACKEND=kernels.backends.liger:make_backend`` (or the name ``liger``
-once it is listed among the built-ins). Needs ``pip install liger-kernel`` (extra ``liger``).
+Select it with ``VIME_RL_KERNEL_BACKEND=liger`` (a built-in name; ``--rlk-backend liger`` in the op
+tier). Needs ``pip install liger-kernel`` (extra ``liger``). Each implementation takes the op's
+checked call (kernels/contracts/) and adds only the checks Liger's math needs.
 
 Ops served, and how each maps onto Liger (0.8.5):
 
@@ -46,13 +47,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import validation
 from kernels.backends import adapter_common as common
 from kernels.backends.base import BaseBackend, Capabilities
-from kernels.reference.grpo_loss import check_loss_inputs
-from kernels.reference.loss_config import LossConfig
+from kernels.contracts import GrpoLossCall, LinearGrpoLossCall, LogpCall, LossConfig, LossInputs
 from kernels.reference.policy_loss import tis_weights
-from kernels.reference.reductions import reduce, resolve_lengths
+from kernels.reference.reductions import reduce
 
 BACKEND_ID = "liger"
 LIGER_OPS = frozenset({"logp", "grpo_loss", "linear_grpo_loss"})
@@ -152,79 +151,52 @@ class LigerBackend(BaseBackend):
         return impls[op]
 
 
-def liger_logp(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    temperature: float = 1.0,
-    *,
-    tp_group: Any = None,
-    ignore_index: int = validation.IGNORE_INDEX,
-) -> torch.Tensor:
+def liger_logp(call: LogpCall) -> torch.Tensor:
     """Our ``logp`` contract on Liger's ``fused_selective_log_softmax``: fp32 [T], no autograd."""
     from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
-    validation.check_logits(logits)
-    validation.check_temperature(temperature)
-    num_tokens, vocab = logits.shape
-    validation.check_target_ids(target_ids, num_tokens, vocab, logits.device, ignore_index)
-    common.require("vocab-parallel logp (tp_group given)" if tp_group is not None else None, BACKEND_ID, "logp")
+    logits, target_ids = call.logits, call.target_ids
+    common.require("vocab-parallel logp (tp_group given)" if call.tp_group is not None else None, BACKEND_ID, "logp")
     if logits.requires_grad and torch.is_grad_enabled():
         common.require("logits require grad but Liger's selective log-softmax is forward-only", BACKEND_ID, "logp")
+    num_tokens, vocab = logits.shape
     buffer = logits.new_zeros((1, num_tokens + 1, vocab))
     buffer[0, :num_tokens].copy_(logits)
-    keep = target_ids != ignore_index
+    keep = target_ids != call.ignore_index
     safe_ids = torch.where(keep, target_ids, torch.zeros_like(target_ids)).long()
-    out = fused_selective_log_softmax(buffer, safe_ids[None], float(temperature), mask=keep[None].contiguous())
+    out = fused_selective_log_softmax(buffer, safe_ids[None], call.temperature, mask=keep[None].contiguous())
     return out[0]
 
 
-def _tis(config: LossConfig, old_logp: torch.Tensor, rollout_logp: torch.Tensor | None) -> torch.Tensor | None:
+def _tis(inputs: LossInputs) -> torch.Tensor | None:
+    config = inputs.config
     if not config.use_tis:
         return None
-    return tis_weights(old_logp, rollout_logp, config.tis_clip_low, config.tis_clip_high)
+    return tis_weights(inputs.old_logp, inputs.rollout_logp, config.tis_clip_low, config.tis_clip_high)
 
 
-def liger_grpo_loss(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    *,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    lengths: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    config: LossConfig = LossConfig(),
-    temperature: float = 1.0,
-    rollout_logp: torch.Tensor | None = None,
-    tp_group: Any = None,
-    inplace_backward: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def liger_grpo_loss(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Our ``grpo_loss`` contract on Liger's ``triton_grpo_loss`` (see the module docstring)."""
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-    validation.check_logits(logits)
-    validation.check_temperature(temperature)
-    num_tokens, vocab = logits.shape
-    validation.check_target_ids(target_ids, num_tokens, vocab, logits.device)
-    check_loss_inputs(num_tokens, logits.device, old_logp, ref_logp, advantages, loss_mask, rollout_logp, config)
+    config, logits, target_ids, ref_logp, loss_mask = call.config, call.logits, call.target_ids, call.ref_logp, call.loss_mask
     common.require(grpo_config_reason(config), BACKEND_ID, "grpo_loss")
-    common.require("vocab-parallel loss (tp_group given)" if tp_group is not None else None, BACKEND_ID, "grpo_loss")
-    common.require("inplace_backward" if inplace_backward else None, BACKEND_ID, "grpo_loss")
-    common.check_ids_in_vocab(target_ids, vocab, BACKEND_ID, "grpo_loss")
-    lens = resolve_lengths(num_tokens, logits.device, lengths, cu_seqlens)
+    common.require("vocab-parallel loss (tp_group given)" if call.tp_group is not None else None, BACKEND_ID, "grpo_loss")
+    common.require("inplace_backward" if call.inplace_backward else None, BACKEND_ID, "grpo_loss")
+    common.check_ids_in_vocab(target_ids, logits.shape[1], BACKEND_ID, "grpo_loss")
+    lens = call.sample_lengths(call.num_tokens, logits.device)
     beta = float(config.kl_loss_coef)
-    tis = _tis(config, old_logp, rollout_logp)
+    tis = _tis(call)
     # one Liger row per token: [T, 1 + 1, V] (Liger never reads the pad row)
     rows = F.pad(logits[:, None, :], (0, 0, 0, 1)).contiguous()
     per_token, per_token_kl, clipped = triton_grpo_loss(
         rows,
-        old_logp.float()[:, None].contiguous(),
+        call.old_logp.float()[:, None].contiguous(),
         ref_logp.float()[:, None].contiguous() if (beta != 0.0 and ref_logp is not None) else None,
         target_ids.long()[:, None].contiguous(),
-        advantages.float().contiguous(),
+        call.advantages.float().contiguous(),
         completion_mask=None,  # vime's mask enters through the reduction below (weights allowed)
-        temperature=float(temperature),
+        temperature=call.temperature,
         beta=beta,
         eps_low=config.eps_clip,
         eps_high=config.eps_clip_high,
@@ -247,40 +219,18 @@ def liger_grpo_loss(
     return loss, metrics
 
 
-def liger_linear_grpo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    *,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    lengths: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    config: LossConfig = LossConfig(),
-    rollout_logp: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def liger_linear_grpo_loss(call: LinearGrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """vime's GRPO loss of ``hidden [T, H] @ weight [V, H].T (+ bias)`` on LigerFusedLinearGRPOLoss.
 
     Autograd to ``hidden``, ``weight`` and ``bias``. Returns ``(loss, {pg_loss, pg_clipfrac,
     kl_loss (when kl_loss_coef != 0)})``; one packed sample, ``sum_of_sample_mean`` only."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    validation.check_tensor(hidden, "hidden")
-    validation.check_tensor(weight, "weight")
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [T, H] and weight [V, H] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    validation.check_temperature(temperature)
-    num_tokens, vocab = hidden.shape[0], weight.shape[0]
-    validation.check_target_ids(target_ids, num_tokens, vocab, hidden.device)
-    check_loss_inputs(num_tokens, hidden.device, old_logp, ref_logp, advantages, loss_mask, rollout_logp, config)
-    common.require(linear_grpo_config_reason(config, common.num_samples(lengths, cu_seqlens)), BACKEND_ID, "linear_grpo_loss")
-    common.check_ids_in_vocab(target_ids, vocab, BACKEND_ID, "linear_grpo_loss")
+    config, ref_logp = call.config, call.ref_logp
+    common.require(linear_grpo_config_reason(config, call.num_samples()), BACKEND_ID, "linear_grpo_loss")
+    common.check_ids_in_vocab(call.target_ids, call.weight.shape[0], BACKEND_ID, "linear_grpo_loss")
     beta = float(config.kl_loss_coef)
-    tis = _tis(config, old_logp, rollout_logp)
+    tis = _tis(call)
     loss_fn = LigerFusedLinearGRPOLoss(
         beta=beta,
         compiled=False,  # eager loss math: no torch.compile warm-up per shape (the matmuls are the same)
@@ -289,18 +239,18 @@ def liger_linear_grpo_loss(
         epsilon_low=config.eps_clip,
         epsilon_high=config.eps_clip_high,
         loss_type="bnpo",
-        temperature=float(temperature),
+        temperature=call.temperature,
         use_bias_correction_kl=config.use_unbiased_kl,
     )
     loss, liger_metrics = loss_fn(
-        hidden[:, None, :],
-        weight,
-        target_ids.long()[:, None],
-        loss_mask.float()[:, None],
-        advantages.float(),
-        bias=bias,
+        call.hidden[:, None, :],
+        call.weight,
+        call.target_ids.long()[:, None],
+        call.loss_mask.float()[:, None],
+        call.advantages.float(),
+        bias=call.bias,
         ref_per_token_logps=ref_logp.float()[:, None] if beta != 0.0 else None,
-        old_per_token_logps=old_logp.float()[:, None],
+        old_per_token_logps=call.old_logp.float()[:, None],
         vllm_is_ratio=None if tis is None else tis[:, None],
     )
     metrics = {"pg_clipfrac": liger_metrics[-1].detach().float()}

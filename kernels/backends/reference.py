@@ -1,41 +1,31 @@
-"""The ``reference`` backend: vime's fp32 math in PyTorch (kernels.reference). Supports everything
-except ``linear_logp`` (its reference is registered by the linear_logp module when present)."""
+"""The ``reference`` backend: vime's fp32 math in PyTorch (kernels.reference), every op."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-from kernels.backends.base import OPS, BaseBackend, Capabilities
+from kernels.backends.base import OPS, BaseBackend, Capabilities, import_function
 
 REFERENCE_VERSION = "0.1.0"
+# op -> module and function of one checked call (imported on first use)
+IMPLEMENTATIONS = {
+    "logp": ("kernels.reference.logprob", "logp_call"),
+    "ratio_kl": ("kernels.reference.ratio_kl", "ratio_kl_call"),
+    "grpo_loss": ("kernels.reference.grpo_loss", "grpo_loss_call"),
+    "linear_logp": ("kernels.reference.linear_logp", "linear_logp_call"),
+}
 
 
 class ReferenceBackend(BaseBackend):
     id = "reference"
     version = REFERENCE_VERSION
-    capabilities = Capabilities(ops=frozenset({"logp", "ratio_kl", "grpo_loss", "linear_logp"}))
+    capabilities = Capabilities(ops=frozenset(OPS))
 
     def get(self, op: str) -> Callable[..., Any]:
-        if op not in OPS:
+        if op not in IMPLEMENTATIONS:
             raise KeyError(f"unknown op {op!r}; known: {OPS}")
-        if op == "logp":
-            from kernels.reference.logprob import selected_logprob, vocab_parallel_selected_logprob
-
-            def reference_logp(logits, target_ids, temperature=1.0, *, tp_group=None, ignore_index=-100):
-                if tp_group is None:
-                    return selected_logprob(logits, target_ids, temperature, ignore_index=ignore_index)
-                return vocab_parallel_selected_logprob(
-                    logits, target_ids, temperature, tp_group, ignore_index=ignore_index
-                )
-
-            return reference_logp
-        if op == "linear_logp":
-            # owned by the linear_logp engineer: kernels/reference/linear_logp.py
-            return importlib.import_module("kernels.reference.linear_logp").linear_logp
-        module = importlib.import_module(f"kernels.reference.{op}")
-        return getattr(module, op)
+        return import_function(*IMPLEMENTATIONS[op])
 
 
 def make_backend() -> ReferenceBackend:

@@ -2,8 +2,8 @@
 
 RL-Kernel is not on PyPI. Make it importable (``pip install -e <checkout>``, or put the checkout on
 ``PYTHONPATH``), or point ``RLK_RL_ENGINE_PATH`` at a checkout: this module then adds that path to
-``sys.path`` when it imports ``rl_engine``. Register with
-``VIME_RL_KERNEL_BACKEND=kernels.backends.rl_engine:make_backend``. No RL-Kernel code is copied
+``sys.path`` when it imports ``rl_engine``. Select it with ``VIME_RL_KERNEL_BACKEND=rl_engine`` (a
+built-in name). No RL-Kernel code is copied
 here: every op is a call into ``rl_engine.kernels.registry.kernel_registry.get_op(name)``, i.e. the
 implementation RL-Kernel itself picks on this machine (on CUDA: its Triton ``ratio_kl``,
 ``grpo_loss`` and ``linear_logp``, and for ``logp`` its compiled ``_C`` kernel when the extension is
@@ -47,7 +47,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -56,15 +55,13 @@ from typing import Any
 
 import torch
 
-from kernels import validation
+from kernels import settings
 from kernels.backends import adapter_common as common
 from kernels.backends.base import BaseBackend, Capabilities
-from kernels.reference.grpo_loss import check_loss_inputs
-from kernels.reference.loss_config import LossConfig
-from kernels.reference.ratio_kl import check_ratio_kl_inputs
+from kernels.contracts import GrpoLossCall, LinearLogpCall, LogpCall, LossConfig, RatioKLCall
 
 BACKEND_ID = "rl_engine"
-PATH_ENV = "RLK_RL_ENGINE_PATH"
+PATH_ENV = settings.RL_ENGINE_PATH.name
 RL_ENGINE_OPS = ("logp", "ratio_kl", "grpo_loss", "linear_logp")
 GRPO_LOSS_METRICS = ("pg_loss", "kl_loss")
 HOW_TO_PROVIDE = (
@@ -84,9 +81,10 @@ _MIN_REST_LOG = math.log(1e-38)
 
 def import_rl_engine() -> Any:
     """Import ``rl_engine`` (adding ``$RLK_RL_ENGINE_PATH`` to sys.path first when it is set)."""
-    path = os.environ.get(PATH_ENV, "").strip()
-    if path:
-        if not (Path(path) / "rl_engine" / "__init__.py").is_file():
+    checkout = settings.RL_ENGINE_PATH.get()
+    if checkout is not None:
+        path = str(checkout)
+        if not (checkout / "rl_engine" / "__init__.py").is_file():
             raise ImportError(f"{PATH_ENV}={path!r} does not hold an rl_engine package (no rl_engine/__init__.py)")
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -201,125 +199,66 @@ class RlEngineBackend(BaseBackend):
         impls = {"logp": self._logp, "ratio_kl": self._ratio_kl, "grpo_loss": self._grpo_loss, "linear_logp": self._linear_logp}
         return impls[op]
 
-    # -- implementations (our signatures, see kernels/__init__.py) ---------------------------------
+    # -- implementations: each takes the op's checked call (kernels/contracts/) -----------------
 
-    def _logp(
-        self,
-        logits: torch.Tensor,
-        target_ids: torch.Tensor,
-        temperature: float = 1.0,
-        *,
-        tp_group: Any = None,
-        ignore_index: int = validation.IGNORE_INDEX,
-    ) -> torch.Tensor:
-        validation.check_logits(logits)
-        validation.check_temperature(temperature)
-        num_tokens, vocab = logits.shape
-        validation.check_target_ids(target_ids, num_tokens, vocab, logits.device, ignore_index)
-        common.require(self.check_case("logp", tp_world=1 if tp_group is None else 2), self.id, "logp")
-        common.require("temperature != 1 (RL-Kernel has no temperature argument)" if temperature != 1.0 else None, self.id, "logp")
-        ignored = target_ids == ignore_index
-        safe_ids = torch.where(ignored, torch.zeros_like(target_ids), target_ids)
-        out = self._ops["logp"].apply_fp32(logits, safe_ids)
+    def _logp(self, call: LogpCall) -> torch.Tensor:
+        common.require(self.check_case("logp", tp_world=call.tp_world), self.id, "logp")
+        common.require("temperature != 1 (RL-Kernel has no temperature argument)" if call.temperature != 1.0 else None,
+                       self.id, "logp")
+        ignored = call.target_ids == call.ignore_index
+        safe_ids = torch.where(ignored, torch.zeros_like(call.target_ids), call.target_ids)
+        out = self._ops["logp"].apply_fp32(call.logits, safe_ids)
         return torch.where(ignored, torch.zeros_like(out), out)
 
-    def _ratio_kl(
-        self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        ref_logp: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        kl_type: str = "low_var_kl",
-        use_unbiased_kl: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        check_ratio_kl_inputs(logp, old_logp, ref_logp, mask)
+    def _ratio_kl(self, call: RatioKLCall) -> tuple[torch.Tensor, torch.Tensor]:
+        kl_type, logp = call.kl_type, call.logp
         common.require(f"kl_type {kl_type} (RL-Kernel's KL is k3)" if kl_type != "k3" else None, self.id, "ratio_kl")
-        common.require(LOSS_FEATURE_REASONS["unbiased_kl"] if use_unbiased_kl else None, self.id, "ratio_kl")
-        active = mask != 0
+        common.require(LOSS_FEATURE_REASONS["unbiased_kl"] if call.use_unbiased_kl else None, self.id, "ratio_kl")
+        active = call.mask != 0
         # ratio and k3 depend on logp - old and ref - logp only: shift all three by a per-token
         # constant so the policy token's probability is 1/2 (a well-conditioned chain back to logp)
-        ref = ref_logp.detach().float()
+        ref = call.ref_logp.detach().float()
         shift = torch.maximum(logp.detach(), ref) + math.log(2.0)
         policy_logits = _two_token_logits(logp - shift)
         ref_logits = _two_token_logits(ref - shift)
         zeros = torch.zeros_like(logp, dtype=torch.long)
-        ratio, kl = self._ops["ratio_kl"](policy_logits, ref_logits, zeros, active, old_logp.float() - shift)
-        m = mask.float()
+        ratio, kl = self._ops["ratio_kl"](policy_logits, ref_logits, zeros, active, call.old_logp.float() - shift)
+        m = call.mask.float()
         return ratio * m, kl * m
 
-    def _grpo_loss(
-        self,
-        logits: torch.Tensor,
-        target_ids: torch.Tensor,
-        *,
-        old_logp: torch.Tensor,
-        ref_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        loss_mask: torch.Tensor,
-        lengths: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        config: LossConfig = LossConfig(),
-        temperature: float = 1.0,
-        rollout_logp: torch.Tensor | None = None,
-        tp_group: Any = None,
-        inplace_backward: bool = False,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        validation.check_logits(logits)
-        validation.check_temperature(temperature)
-        num_tokens, vocab = logits.shape
-        validation.check_target_ids(target_ids, num_tokens, vocab, logits.device)
-        check_loss_inputs(num_tokens, logits.device, old_logp, ref_logp, advantages, loss_mask, rollout_logp, config)
-        case = {
-            "config": config,
-            "temperature": temperature,
-            "tp_world": 1 if tp_group is None else 2,
-            "inplace_backward": inplace_backward,
-            "num_samples": common.num_samples(lengths, cu_seqlens),
-        }
-        common.require(self.supports("grpo_loss", **case), self.id, "grpo_loss")
+    def _grpo_loss(self, call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config, target_ids, logits = call.config, call.target_ids, call.logits
+        vocab = logits.shape[1]
+        common.require(self.supports("grpo_loss", **call.case()), self.id, "grpo_loss")
         common.check_ids_in_vocab(target_ids, vocab, self.id, "grpo_loss")
-        if not bool(((loss_mask == 0) | (loss_mask == 1)).all()):
+        if not bool(((call.loss_mask == 0) | (call.loss_mask == 1)).all()):
             common.require("loss_mask has weights other than 0/1 (RL-Kernel's mask is boolean)", self.id, "grpo_loss")
         policy = logits[:, None, :]
-        if ref_logp is None:
+        if call.ref_logp is None:
             ref = logits.detach()[:, None, :]  # same logits: k3 is exactly 0, as vime's kl_loss without ref
         else:
-            ref = _selected_logits(ref_logp.detach().float(), target_ids, vocab)[:, None, :]
+            ref = _selected_logits(call.ref_logp.detach().float(), target_ids, vocab)[:, None, :]
         loss, pg_loss, kl = self._ops["grpo_loss"].apply(
             policy,
             ref,
             target_ids.long()[:, None],
-            old_logp.float()[:, None],
-            advantages.float(),
-            (loss_mask != 0)[:, None],
+            call.old_logp.float()[:, None],
+            call.advantages.float(),
+            (call.loss_mask != 0)[:, None],
             clip_eps=config.eps_clip,
             beta=float(config.kl_loss_coef),
         )
         metrics = {"pg_loss": pg_loss.detach().float()}
-        if config.kl_type == "k3" or ref_logp is None:
+        if config.kl_type == "k3" or call.ref_logp is None:
             metrics["kl_loss"] = kl.detach().float()
         return loss.float(), metrics
 
-    def _linear_logp(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        target_ids: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        *,
-        tp_group: Any = None,
-        vocab_start: int = 0,
-        global_vocab: int | None = None,
-    ) -> torch.Tensor:
-        validation.check_tensor(hidden, "hidden")
-        validation.check_tensor(weight, "weight")
-        validation.check_temperature(temperature)
-        common.require("temperature != 1 (RL-Kernel has no temperature argument)" if temperature != 1.0 else None, self.id, "linear_logp")
+    def _linear_logp(self, call: LinearLogpCall) -> torch.Tensor:
+        common.require("temperature != 1 (RL-Kernel has no temperature argument)" if call.temperature != 1.0 else None,
+                       self.id, "linear_logp")
         return self._ops["linear_logp"](
-            hidden, weight, target_ids, bias,
-            tp_group=tp_group, vocab_start_index=vocab_start, global_vocab_size=global_vocab,
+            call.hidden, call.weight, call.target_ids, call.bias,
+            tp_group=call.tp_group, vocab_start_index=call.vocab_start, global_vocab_size=call.global_vocab,
         )
 
 

@@ -1,29 +1,31 @@
-"""The ``rlk-triton`` backend: our Triton operators (kernels.ops).
+"""The ``rlk-triton`` backend: our Triton operators (kernels.ops), one module per op.
 
 Runs on CUDA tensors, and on CPU tensors only through the Triton interpreter, which must have been
-switched on (``TRITON_INTERPRET=1``) before ``kernels.ops`` was first imported in this process.
+switched on (``TRITON_INTERPRET=1``) before ``kernels.ops`` was first imported in this process:
+``triton.jit`` picks compiled or interpreted when a kernel is defined.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from kernels.backends.base import BaseBackend, Capabilities
+from kernels import settings
+from kernels.backends.base import OPS, BaseBackend, Capabilities, import_function
 
 TRITON_BACKEND_VERSION = "0.1.0"
-TRITON_OPS = frozenset({"logp", "ratio_kl", "grpo_loss"})
-# linear_logp lives in kernels/ops/linear_logp.py (its own engineer); served once that file exists
-OPTIONAL_OPS = frozenset({"linear_logp"})
 
 
-def _available_ops() -> frozenset[str]:
-    present = {op for op in OPTIONAL_OPS if importlib.util.find_spec(f"kernels.ops.{op}") is not None}
-    return TRITON_OPS | present
+@functools.cache
+def _triton_missing() -> str | None:
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:  # the package is optional at import time of kernels
+        return f"triton not importable ({exc})"
+    return None
 
 
 def _interpreter_active() -> bool:
@@ -31,24 +33,21 @@ def _interpreter_active() -> bool:
     ops = sys.modules.get("kernels.ops")
     if ops is not None:
         return bool(ops.INTERPRETED)
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+    return settings.TRITON_INTERPRET.get() == "1"
 
 
 class TritonBackend(BaseBackend):
     id = "rlk-triton"
     version = TRITON_BACKEND_VERSION
-
-    def __init__(self) -> None:
-        self.capabilities = Capabilities(ops=_available_ops())
+    capabilities = Capabilities(ops=frozenset(OPS))
 
     def check_case(self, op: str, **case: Any) -> str | None:
-        try:
-            importlib.import_module("triton")
-        except ImportError as exc:  # the package is optional at import time of kernels
-            return f"triton not importable ({exc})"
+        missing = _triton_missing()
+        if missing is not None:
+            return missing
         device = case.get("device")
         if device is not None and str(device).startswith("cpu") and not _interpreter_active():
-            if "kernels.ops" in sys.modules and os.environ.get("TRITON_INTERPRET", "") == "1":
+            if "kernels.ops" in sys.modules and settings.TRITON_INTERPRET.get() == "1":
                 return "no CUDA device; TRITON_INTERPRET=1 was set after kernels.ops was imported"
             return "no CUDA device and TRITON_INTERPRET unset"
         return None
@@ -56,8 +55,8 @@ class TritonBackend(BaseBackend):
     def get(self, op: str) -> Callable[..., Any]:
         if op not in self.capabilities.ops:
             raise KeyError(f"{self.id} does not implement {op!r}")
-        module = importlib.import_module(f"kernels.ops.{op}")
-        return getattr(module, op)
+        # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call
+        return import_function(f"kernels.ops.{op}", f"{op}_call")
 
 
 def make_backend() -> TritonBackend:

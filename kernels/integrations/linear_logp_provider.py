@@ -16,6 +16,10 @@ Modes (``request.mode``, else ``request.metadata["mode"]``, else ``"auto"``; the
 * ``strict``: the same situations raise ``LinearLogpProviderUnavailable`` naming the reason; the
   result must also have non-empty ids and, when gradients are being recorded, log-probs connected
   to autograd.
+
+A served request runs the public ``linear_logp`` op through :mod:`kernels.dispatch`, like every
+other hook: ``VIME_RL_KERNEL``, the backend switch, strict mode and the fallback counters apply,
+and the result's ``backend_id`` names the backend that computed it.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from typing import Any
 
 import torch
 
+from kernels import dispatch
+from kernels.contracts import LinearLogpCall
 from kernels.ops import INTERPRETED
-from kernels.ops.linear_logp import check_linear_logp_inputs, linear_logp
 
 # What to pass as --linear-logp-provider: the fork's form is pkg.module.callable (last dot = callable).
 DOTTED_PATH = "kernels.integrations.linear_logp_provider.provide"
-BACKEND_ID = "rlk-triton/0.1.0"
+BACKEND_ID = "rlk-triton/0.1.0"  # the backend this provider serves from when the kernels are on
 CONTRACT_ID = "vime.linear_logp.provider/v1"
 MODES = ("auto", "strict")
 LAYOUTS = ("single", "zigzag", "allgather")
@@ -162,7 +167,8 @@ def _kernels_runnable(device: torch.device) -> str | None:
 
 
 def _plan(request: Any) -> dict:
-    """Everything ``linear_logp`` needs, or ``_Unservable`` with the reason."""
+    """The checked ``linear_logp`` call (``plan["call"]``) and what the result reports, or
+    ``_Unservable`` with the reason."""
     if _get(request, "with_entropy", False) or _get(request, "with_entropy_grad", False):
         raise _Unservable("entropy requested (with_entropy/with_entropy_grad); linear_logp computes log-probs only")
     layout = _get(request, "token_layout", None)
@@ -210,28 +216,27 @@ def _plan(request: Any) -> dict:
         "hidden": hidden.reshape(-1, hidden.shape[-1]),
         "weight": weight,
         "bias": bias,
-        "ids": ids,
         "temperature": temperature,
         "tp_group": tp_group if sharded else None,
         "vocab_start": local_start if sharded else 0,
-        "global_vocab": padded_vocab if sharded else None,
     }
     try:
-        check_linear_logp_inputs(
-            plan["hidden"], weight, ids, bias, temperature, plan["tp_group"], plan["vocab_start"], plan["global_vocab"]
+        plan["call"] = LinearLogpCall(
+            plan["hidden"], weight, ids, bias, temperature, tp_group=plan["tp_group"],
+            vocab_start=plan["vocab_start"], global_vocab=padded_vocab if sharded else None,
         )
     except (ValueError, TypeError) as exc:
         raise _Unservable(f"invalid input: {exc}") from exc
     return plan
 
 
-def _provenance(request: Any, plan: dict) -> dict:
+def _provenance(request: Any, plan: dict, backend_id: str) -> dict:
     hidden = plan["hidden"]
     import triton
 
     return {
         "op": "linear_logp",
-        "implementation": "kernels.ops.linear_logp (Triton, fp32 accumulation, no [T, V] logits)",
+        "implementation": f"kernels.linear_logp on {backend_id} (fp32 accumulation)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "device": str(hidden.device),
@@ -255,10 +260,10 @@ def provide(request: Any) -> LinearLogpResult | LinearLogpUnavailable:
         if mode == "strict":
             raise LinearLogpProviderUnavailable(f"RL-Kernel linear_logp is unavailable: {exc}") from None
         return LinearLogpUnavailable(reason=str(exc))
-    logp = linear_logp(
-        plan["hidden"], plan["weight"], plan["ids"], plan["bias"], plan["temperature"],
-        tp_group=plan["tp_group"], vocab_start=plan["vocab_start"], global_vocab=plan["global_vocab"],
-    )
+    call = plan["call"]
+    backend, impl = dispatch.select("linear_logp", **call.case())  # the public op's dispatch
+    backend_id = f"{backend.id}/{backend.version}"
+    logp = impl(call)
     keep = _get(request, "keep_mask", None)
     if keep is not None:
         logp = torch.where(keep.reshape(-1).to(torch.bool), logp, torch.zeros_like(logp))
@@ -270,7 +275,8 @@ def provide(request: Any) -> LinearLogpResult | LinearLogpUnavailable:
         if wants_grad and log_probs.grad_fn is None:
             raise LinearLogpProviderUnavailable("log-probs are not connected to autograd")
     return LinearLogpResult(
-        log_probs=log_probs, backend_id=BACKEND_ID, contract_id=CONTRACT_ID, provenance=_provenance(request, plan)
+        log_probs=log_probs, backend_id=backend_id, contract_id=CONTRACT_ID,
+        provenance=_provenance(request, plan, backend_id),
     )
 
 

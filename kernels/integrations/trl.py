@@ -24,20 +24,15 @@ What we do not patch: the GRPO loss. TRL computes ratio, clipping and KL inline 
 ``GRPOTrainer._compute_loss`` (no function name to replace) with its own reductions, so our
 ``grpo_loss`` / ``ratio_kl`` (vime semantics) have no drop-in point there.
 
-Switches: ``install_if_enabled()`` patches only when ``VIME_RL_KERNEL=1`` and the op allowlist
-``VIME_RL_KERNEL_OPS`` admits ``logp`` (the same switches as vime's lane). ``installed()`` is a
-context manager that patches and restores the original name on exit.
-
-Test-only perturbation: ``RLK_TEST_PERTURB_LOGP=<bias>`` adds ``bias`` to every log-prob this
-path returns, to prove that the A/B gate can fail. It is refused (``ValueError``) unless
-``RLK_ALLOW_TEST_PERTURBATION=1`` is also set. Never set it outside the suite's own tests.
+Switches: ``logp_enabled_by_env()`` says whether ``VIME_RL_KERNEL=1`` and the op allowlist
+``VIME_RL_KERNEL_OPS`` admit ``logp`` (the same switches as vime's lane); the TRL engine installs
+the patch only then. ``installed()`` is a context manager that patches and restores the original
+name on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 from collections.abc import Iterator
 
 import torch
@@ -49,36 +44,11 @@ from kernels import dispatch
 PATCH_MODULE = "trl.trainer.utils"
 PATCH_NAME = "_ChunkedLogProbFunction"
 OP_NAME = "logp"
-PERTURB_ENV = "RLK_TEST_PERTURB_LOGP"
-ALLOW_PERTURB_ENV = "RLK_ALLOW_TEST_PERTURBATION"
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 # Calls routed through the patched name since install (evidence the kernel arm used our path).
 _calls = {"lm_head_logp": 0, "tokens": 0}
 _original: object | None = None
-
-
-def test_perturbation_bias() -> float:
-    """The test-only log-prob bias from ``RLK_TEST_PERTURB_LOGP`` (0.0 when unset).
-
-    Raises ``ValueError`` naming the variables when the bias is set without
-    ``RLK_ALLOW_TEST_PERTURBATION=1`` or is not a finite number.
-    """
-    raw = os.environ.get(PERTURB_ENV, "").strip()
-    if not raw:
-        return 0.0
-    if os.environ.get(ALLOW_PERTURB_ENV) != "1":
-        raise ValueError(
-            f"{PERTURB_ENV}={raw!r} is a test-only switch that corrupts log-probs; it is refused "
-            f"unless {ALLOW_PERTURB_ENV}=1 is set as well"
-        )
-    try:
-        bias = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{PERTURB_ENV}={raw!r} is not a number") from exc
-    if not math.isfinite(bias):
-        raise ValueError(f"{PERTURB_ENV}={raw!r} is not finite")
-    return bias
 
 
 class RlkLmHeadLogProb:
@@ -112,9 +82,6 @@ class RlkLmHeadLogProb:
         if final_logit_softcapping is not None:
             logits = final_logit_softcapping * torch.tanh(logits / final_logit_softcapping)
         log_probs = kernels.logp(logits, targets, temperature)
-        bias_value = test_perturbation_bias()
-        if bias_value:
-            log_probs = log_probs + bias_value
         _calls["lm_head_logp"] += 1
         _calls["tokens"] += int(targets.numel())
 
@@ -167,7 +134,6 @@ def install() -> None:
     global _original
     if _original is not None:
         raise RuntimeError("kernels.integrations.trl is already installed")
-    test_perturbation_bias()  # refuse a disallowed perturbation before anything runs
     module = _trl_utils()
     _original = getattr(module, PATCH_NAME)
     setattr(module, PATCH_NAME, RlkLmHeadLogProb)

@@ -12,7 +12,7 @@ Triton kernels when ``VIME_RL_KERNEL=1`` and to the fp32 reference otherwise:
 
 1. ``kernels.logp`` on the response slice of the logits (vocab-parallel over the TP group) -> ``rlk_logp_ms``
 2. ``kernels.ratio_kl`` (the KL term per token)                                          -> ``rlk_ratio_kl_ms``
-3. policy term, TIS, GSPO and reductions from ``kernels.reference`` (O(T) work)            -> ``rlk_loss_ms``
+3. policy term, TIS, GSPO and reductions: ``kernels.reference.reduce_grpo_loss`` (O(T)) -> ``rlk_loss_ms``
 
 Batch contract (vime's packed "THD" micro-batch; per-sample entries are lists of 1-D tensors or
 one concatenated tensor): ``tokens`` (packed ids [T_total]) or ``unconcat_tokens`` (list of
@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -46,12 +45,13 @@ from typing import Any
 import torch
 
 import kernels
-from kernels import dispatch, reference
+from kernels import dispatch, reference, settings
+from kernels.contracts import LossInputs
 
 log = logging.getLogger(__name__)
 
-NATIVE_LOSS_ENV = "VIME_RL_KERNEL_NATIVE_LOSS"
-DEFAULT_NATIVE_LOSS = "vime.backends.megatron_utils.loss:policy_loss_function"
+NATIVE_LOSS_ENV = settings.NATIVE_LOSS.name
+DEFAULT_NATIVE_LOSS = settings.NATIVE_LOSS.default
 NATIVE_BACKEND_ID = "vime-native"  # the backend key's value when the adapter handed the call to vime
 # The op name the adapter's own fallback is reported under (strict errors, log lines).
 ADAPTER_OP = "vime_policy_loss"
@@ -118,6 +118,11 @@ class PackedResponses:
     advantages: torch.Tensor  # [R] fp32
     ref_logp: torch.Tensor | None  # [R] fp32
     rollout_logp: torch.Tensor | None  # [R] fp32
+
+    def loss_inputs(self, config: kernels.LossConfig) -> LossInputs:
+        return LossInputs(old_logp=self.old_logp, ref_logp=self.ref_logp, advantages=self.advantages,
+                          loss_mask=self.loss_mask, lengths=self.lengths, config=config,
+                          rollout_logp=self.rollout_logp)
 
 
 def _cat(batch: dict, key: str, device: torch.device, total: int, dtype: torch.dtype | None) -> torch.Tensor:
@@ -258,7 +263,7 @@ def _tp_group(args: Any) -> Any:
 
 def load_native_loss() -> Callable:
     """vime's own policy loss (dotted path ``module:function`` from ``VIME_RL_KERNEL_NATIVE_LOSS``)."""
-    path = os.environ.get(NATIVE_LOSS_ENV) or DEFAULT_NATIVE_LOSS
+    path = settings.NATIVE_LOSS.get()
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{NATIVE_LOSS_ENV}={path!r} must look like 'package.module:function'")
@@ -312,7 +317,8 @@ def policy_loss(args: Any, batch: dict, logits: torch.Tensor,
         else:
             kl = torch.zeros_like(logp)
     with timer.stage("rlk_loss_ms"):
-        loss, metrics = _reduce_loss(logp, kl, packed, config)
+        # the reference's reduction (O(T) work), on the KL from stage 2
+        loss, metrics = reference.reduce_grpo_loss(logp, packed.loss_inputs(config), packed.lengths, kl=kl)
 
     metrics = dict(metrics)
     if packed.rollout_logp is not None:
@@ -326,30 +332,6 @@ def policy_loss(args: Any, batch: dict, logits: torch.Tensor,
     for name, ms in timer.results_ms().items():
         metrics[name] = torch.tensor(ms, device=device)
     return loss, metrics
-
-
-def _reduce_loss(logp: torch.Tensor, kl: torch.Tensor, packed: PackedResponses,
-                 config: kernels.LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Policy term (+ GSPO, TIS) and reductions from ``kernels.reference``; ``kl`` from stage 2."""
-    lens, mask = packed.lengths, packed.loss_mask
-    log_ratio = None
-    if config.gspo:
-        log_ratio = reference.gspo_sequence_log_ratio(
-            logp, packed.old_logp, mask, reference.sample_index(lens), lens.shape[0])
-    pg, clipfrac, ppo_kl = reference.policy_loss(
-        logp, packed.old_logp, packed.advantages, config.eps_clip, config.eps_clip_high, config.eps_clip_c,
-        log_ratio=log_ratio)
-    if config.use_tis:
-        pg = pg * reference.tis_weights(packed.old_logp, packed.rollout_logp, config.tis_clip_low, config.tis_clip_high)
-    pg_loss = reference.reduce(pg, mask, lens, config.reduction)
-    kl_loss = reference.reduce(kl, mask, lens, config.reduction)
-    loss = pg_loss + config.kl_loss_coef * kl_loss if config.kl_loss_coef != 0.0 else pg_loss
-    return loss, {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": reference.reduce(clipfrac, mask, lens, config.reduction).detach(),
-        "ppo_kl": reference.reduce(ppo_kl, mask, lens, config.reduction).detach(),
-        "kl_loss": kl_loss.detach(),
-    }
 
 
 # ----------------------------------------------------------------------------- init hook

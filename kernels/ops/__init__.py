@@ -9,6 +9,6 @@ decide whether a CPU case is supported.
 
 from __future__ import annotations
 
-import os
+from kernels import settings
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+INTERPRETED = settings.TRITON_INTERPRET.get() == "1"

@@ -1,8 +1,6 @@
 """vime's GRPO loss straight from logits: one read (a CUDA cluster kernel) or two (Triton kernels).
 
-``grpo_loss(logits [T, V], target_ids [T], *, old_logp, ref_logp, advantages, loss_mask,
-lengths|cu_seqlens, config, temperature, rollout_logp, tp_group, inplace_backward)
--> (loss 0-dim fp32, {"pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss"}: 0-dim fp32)``, the math of
+The op's arguments, shapes and checks: kernels/contracts/grpo_loss.py (``GrpoLossCall``); the math:
 kernels/reference/grpo_loss.py.
 
 Fused paths (single device, token-level ratio): every token's share of the loss is known before
@@ -26,9 +24,8 @@ dkl/dlogp)`` formed per token in registers:
   run at ~97-100% of HBM bandwidth; the logits are read twice.
 
 Around either: one launch for the reduction weights (``_sample_mean_weights_kernel``) and one for
-the four metrics and the loss (``_weighted_sums_kernel``, a fixed summation order). At [8192, 151936]
-the one-read kernel takes ~1.80 ms on an H100 and the ~15 small PyTorch kernels these replace took
-~58 us of the op's GPU time (docs/ncu.md).
+the four metrics and the loss (``_weighted_sums_kernel``, a fixed summation order), in place of
+~15 small PyTorch kernels whose time adds up next to the main kernel's (docs/ncu.md).
 
 Neither path has a [T, V] intermediate besides dlogits itself. The one-read path allocates dlogits
 in the forward (its memory is held from the forward on, not from the backward on). Why Triton
@@ -51,11 +48,10 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels import validation
+from kernels.contracts import METRIC_NAMES, GrpoLossCall, entry_point
 from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
 from kernels.ops.logp import (
     LogpFunction,
@@ -65,9 +61,8 @@ from kernels.ops.logp import (
     vocab_block,
 )
 from kernels.ops.ratio_kl import kl_type_code, kl_value_and_grad
-from kernels.reference.grpo_loss import METRIC_NAMES, check_loss_inputs, grpo_loss_from_logp
-from kernels.reference.loss_config import LossConfig
-from kernels.reference.reductions import resolve_lengths, token_weights
+from kernels.reference.grpo_loss import reduce_grpo_loss
+from kernels.reference.reductions import token_weights
 
 logger = logging.getLogger("kernels")
 _two_read_reasons_logged: set[str] = set()
@@ -225,8 +220,8 @@ def _grpo_dlogits_kernel(
     """dlogits rows from the forward's statistics, grad_output read on the device (no host sync).
     One program per row; ``UNLESS_UNIT`` (the one-read path, whose forward wrote the rows for
     grad_output 1): rows are rewritten only when grad_output is not exactly 1, by a grid of
-    about one wave of programs that each take every num_programs-th row (launching a program
-    per row only to return cost 6 us of the 1.84 ms op on an H100, run 44)."""
+    about one wave of programs that each take every num_programs-th row (a program per row that
+    only returns costs measurable time at large T)."""
     g = tl.load(grad_output_ptr).to(tl.float32)
     if UNLESS_UNIT:
         if g != 1.0:
@@ -240,7 +235,7 @@ def _grpo_dlogits_kernel(
 
 REDUCE_BLOCK = 1024
 # _weighted_sums_kernel is one program: 4096 tokens per step over 16 warps keep enough loads in
-# flight (1024 over 4 warps took 15 us at T = 8192 on an H100, run 44; now one or two steps)
+# flight that a large T takes one or two steps (docs/performance-notes.md)
 SUMS_BLOCK, SUMS_WARPS = 4096, 16
 
 
@@ -346,45 +341,22 @@ class GrpoLossFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
-def grpo_loss(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    *,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    lengths: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    config: LossConfig = LossConfig(),
-    temperature: float = 1.0,
-    rollout_logp: torch.Tensor | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    inplace_backward: bool = False,
-    ignore_index: int = validation.IGNORE_INDEX,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """See the module docstring. Shapes: logits [T, V] (or [T, V_local] with ``tp_group``);
-    target_ids [T]; old_logp/ref_logp/advantages/rollout_logp [T] float; loss_mask [T] bool|float;
-    lengths [B] or cu_seqlens [B+1] (neither: one sample)."""
-    validation.check_logits(logits)
-    validation.check_temperature(temperature)
-    num_tokens = logits.shape[0]
-    world = 1 if tp_group is None else dist.get_world_size(tp_group)
-    validation.check_target_ids(target_ids, num_tokens, logits.shape[1] * world, logits.device, ignore_index)
-    check_loss_inputs(num_tokens, logits.device, old_logp, ref_logp, advantages, loss_mask, rollout_logp, config)
-    if config.gspo or tp_group is not None:
-        logp = LogpFunction.apply(logits, target_ids, float(temperature), int(ignore_index), tp_group)
-        return grpo_loss_from_logp(
-            logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, loss_mask=loss_mask,
-            lengths=lengths, cu_seqlens=cu_seqlens, config=config, rollout_logp=rollout_logp,
-        )
-    lens = resolve_lengths(num_tokens, logits.device, lengths, cu_seqlens)
+def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """vime's GRPO loss on the fused paths above (composed for GSPO and vocab-parallel TP)."""
+    logits, num_tokens = call.logits, call.num_tokens
+    lens = call.sample_lengths(num_tokens, logits.device)
+    if call.config.gspo or call.tp_group is not None:
+        logp = LogpFunction.apply(logits, call.target_ids, call.temperature, call.ignore_index, call.tp_group)
+        return reduce_grpo_loss(logp, call, lens)
 
     def f32(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.to(torch.float32).contiguous()
 
     loss, metrics = GrpoLossFunction.apply(
-        logits, target_ids, f32(old_logp), f32(ref_logp), f32(advantages), f32(rollout_logp), loss_mask, lens,
-        config, float(temperature), int(ignore_index), bool(inplace_backward),
+        logits, call.target_ids, f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp),
+        call.loss_mask, lens, call.config, call.temperature, call.ignore_index, call.inplace_backward,
     )
     return loss, dict(zip(METRIC_NAMES, metrics.unbind(0), strict=False))
+
+
+grpo_loss = entry_point(GrpoLossCall, grpo_loss_call, name="grpo_loss")

@@ -6,7 +6,7 @@ Shapes and dtypes
     hidden      [T, H]        float32 | bfloat16 | float16
     weight      [V_local, H]  same dtype as hidden (the LM head, or this rank's vocab shard)
     target_ids  [T]           int64 | int32, *global* vocab ids; ``-100`` (ignore_index) rows give
-                              logp 0 and gradient 0 (kernels/validation.py policy)
+                              logp 0 and gradient 0 (kernels/contracts/checks.py policy)
     bias        [V_local]     optional, same dtype as hidden
     returns     [T]           float32, autograd to hidden, weight and bias
 
@@ -71,7 +71,6 @@ turns the saved first chunk off / on (default on).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -83,47 +82,21 @@ try:  # host-side TMA descriptors (Triton >= 3.4); without them the pointer kern
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = None
 
-from kernels import validation
+from kernels import settings
+from kernels.contracts import IGNORE_INDEX, LinearLogpCall, entry_point
 from kernels.ops import INTERPRETED  # fixed at first import, like triton.jit's choice
 
 # Bytes of dlogits held at once in backward; the vocab chunk is sized from it.
 # 132 MiB: at T = 4096, V = 151936 (bf16) nine chunks of 16896 columns, 66 vocab tiles x 32 token
 # tiles = 16 full waves of 132 SMs each, and GEMM shapes cuBLAS runs near its best.
 BACKWARD_WORKSPACE_BYTES = 132 * 1024 * 1024
-HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-
-@dataclass(frozen=True)
-class _TileConfig:
-    block_t: int
-    block_v: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-TILES_ENV = "RLK_LINEAR_LOGP_TILES"  # forward + dlogits kernels
-MATMUL_TILES_ENV = "RLK_LINEAR_LOGP_MATMUL_TILES"  # backward dH / dW matmuls
-
-
-def _tiles_from_env(name: str) -> _TileConfig | None:
-    """Optional GPU tuning knob: "BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages" (powers of two >= 16
-    for the blocks). Compiled kernels only; the interpreter keeps its small tiles."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    parts = [p.strip() for p in raw.split(",")]
-    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"{name}={raw!r}: expected 'BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages' (positive ints)")
-    cfg = _TileConfig(*(int(p) for p in parts))
-    for block in (cfg.block_t, cfg.block_v, cfg.block_k):
-        if block < 16 or block & (block - 1):
-            raise ValueError(f"{name}={raw!r}: block sizes must be powers of two >= 16")
-    return cfg
-
-
-BWD_MATMUL_ENV = "RLK_LINEAR_LOGP_BWD_MATMUL"
-BWD_MATMULS = ("triton", "torch")
+# Tile sizes and launch options; RLK_LINEAR_LOGP_TILES / RLK_LINEAR_LOGP_MATMUL_TILES override the
+# built-in ones on compiled kernels (the interpreter keeps its small tiles).
+_TileConfig = settings.TileConfig
+TILES_ENV = settings.LINEAR_LOGP_TILES.name  # forward + dlogits kernels
+MATMUL_TILES_ENV = settings.LINEAR_LOGP_MATMUL_TILES.name  # backward dH / dW matmuls
+BWD_MATMUL_ENV = settings.LINEAR_LOGP_BWD_MATMUL.name
 
 
 def _bwd_matmul() -> str:
@@ -132,10 +105,7 @@ def _bwd_matmul() -> str:
     inside one GEMM; dH32 += dlogits_chunk @ W_chunk is one ``addmm`` with an fp32 output
     (``out_dtype=torch.float32``), so the chunk's product is never rounded to bf16 before the sum.
     ``triton``: our pointer-based matmul kernel, the same fp32 accumulation (slower on H100)."""
-    value = os.environ.get(BWD_MATMUL_ENV, "").strip() or "torch"
-    if value not in BWD_MATMULS:
-        raise ValueError(f"{BWD_MATMUL_ENV}={value!r}: expected one of {BWD_MATMULS}")
-    return value
+    return settings.LINEAR_LOGP_BWD_MATMUL.get()
 
 
 def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileConfig:
@@ -144,7 +114,7 @@ def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileCo
         # The interpreter runs each program in Python: few, small programs keep CPU CI fast while
         # still exercising partial tiles (odd V, T not a multiple of the tile).
         return _TileConfig(block_t=32, block_v=64, block_k=32, num_warps=4, num_stages=1)
-    override = _tiles_from_env(TILES_ENV)
+    override = settings.LINEAR_LOGP_TILES.get()
     if override is not None:
         return override
     if dtype == torch.float32:
@@ -156,7 +126,7 @@ def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileCo
 def _matmul_config(dtype: torch.dtype) -> _TileConfig:
     if INTERPRETED:
         return _TileConfig(block_t=32, block_v=32, block_k=32, num_warps=4, num_stages=1)
-    override = _tiles_from_env(MATMUL_TILES_ENV)
+    override = settings.LINEAR_LOGP_MATMUL_TILES.get()
     if override is not None:
         return override
     if dtype == torch.float32:
@@ -177,27 +147,17 @@ def _upcast_operands(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 
 
-SAVE_CHUNK_ENV = "RLK_LINEAR_LOGP_SAVE_CHUNK"  # "0": the backward recomputes every chunk
-# The forward, when a backward will follow, keeps the first backward chunk's exp(z - tile max) in the
-# backward's chunk buffer (no extra workspace: the buffer exists in the backward anyway), so the
-# backward recomputes one chunk fewer. RLK_LINEAR_LOGP_SAVE_CHUNK overrides it.
-SAVE_CHUNK = True
-
-
-def _flag_from_env(name: str, default: bool, on: str = "1", off: str = "0") -> bool:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if raw not in (on, off):
-        raise ValueError(f"{name}={raw!r}: expected {on!r} or {off!r}")
-    return raw == on
+SAVE_CHUNK_ENV = settings.LINEAR_LOGP_SAVE_CHUNK.name  # "0": the backward recomputes every chunk
 
 
 def _save_chunk() -> bool:
-    return _flag_from_env(SAVE_CHUNK_ENV, SAVE_CHUNK)
+    """Whether the forward, when a backward will follow, keeps the first backward chunk's
+    exp(z - tile max) in the backward's chunk buffer (no extra workspace: the buffer exists in the
+    backward anyway), so the backward recomputes one chunk fewer (default on)."""
+    return settings.LINEAR_LOGP_SAVE_CHUNK.get()
 
 
-TMA_ENV = "RLK_LINEAR_LOGP_TMA"
+TMA_ENV = settings.LINEAR_LOGP_TMA.name
 # Persistent TMA kernel options (module attributes, for probes). Measured on an H100 (bf16, issue
 # shape, Triton 3.6): flattening the tile and K loops into one pipeline 7.6 ms vs 8.2 ms without;
 # Triton's automatic warp specialization 7.7 ms (kept off); num_ctas=2 does not compile.
@@ -214,23 +174,19 @@ TMA_STORE_DLOGITS = False
 TMA_GROUP_T = 1 << 30
 # Tests run the TMA kernel through the CPU interpreter by setting this (host descriptors work there).
 TMA_IN_INTERPRETER = False
-GROUP_T_ENV = "RLK_LINEAR_LOGP_GROUP_T"  # overrides TMA_GROUP_T
+GROUP_T_ENV = settings.LINEAR_LOGP_GROUP_T.name  # overrides TMA_GROUP_T
 
 
 def _tma_group_t() -> int:
-    raw = os.environ.get(GROUP_T_ENV, "").strip()
-    if not raw:
-        return TMA_GROUP_T
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"{GROUP_T_ENV}={raw!r}: expected a positive int (token tiles per group)")
-    return int(raw)
+    group_t = settings.LINEAR_LOGP_GROUP_T.get()
+    return TMA_GROUP_T if group_t is None else group_t
 
 
 def _use_tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """The persistent TMA kernel serves bf16/fp16 on Hopper or newer (fp32 stays on the pointer
     kernels: IEEE fp32 products do not run on the tensor cores anyway); RLK_LINEAR_LOGP_TMA=0 turns it
     off. TMA needs 16-byte aligned base pointers and row strides."""
-    if TensorDescriptor is None or os.environ.get(TMA_ENV, "").strip() == "0":
+    if TensorDescriptor is None or not settings.LINEAR_LOGP_TMA.get():
         return False
     aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
                   for t in (hidden, weight))
@@ -544,7 +500,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: 
 def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
     """Shard-local int32 ids; ignored rows map to -1 (never a column)."""
     local = target_ids.to(torch.int64) - vocab_start
-    local = torch.where(target_ids == validation.IGNORE_INDEX, torch.full_like(local, -1), local)
+    local = torch.where(target_ids == IGNORE_INDEX, torch.full_like(local, -1), local)
     return local.to(torch.int32).contiguous()
 
 
@@ -736,7 +692,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         inv_temperature = 1.0 / temperature
         local_ids = _local_ids(target_ids, vocab_start)
         target_logit, lse, saved = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, save_chunk)
-        ignored = target_ids == validation.IGNORE_INDEX
+        ignored = target_ids == IGNORE_INDEX
         logp = torch.where(ignored, torch.zeros_like(lse), target_logit - lse)
         ctx.save_for_backward(hidden, weight, bias, local_ids, lse, ignored, target_logit)
         ctx.saved_chunk = saved
@@ -757,79 +713,10 @@ class _LinearLogpFunction(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
-def check_linear_logp_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    tp_group: object | None,
-    vocab_start: int,
-    global_vocab: int | None,
-) -> int:
-    """Validates every input (errors name it); returns the global vocab size."""
-    validation.check_tensor(hidden, "hidden")
-    validation.check_tensor(weight, "weight")
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
-    if hidden.dtype not in HIDDEN_DTYPES:
-        raise ValueError(f"hidden dtype must be one of float32/bfloat16/float16, got {hidden.dtype}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
-    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
-        raise ValueError(f"hidden is empty: shape {tuple(hidden.shape)} (T and H must be > 0)")
-    if weight.shape[0] == 0:
-        raise ValueError(f"weight is empty: shape {tuple(weight.shape)} (V_local must be > 0)")
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V_local, H={hidden.shape[1]}], got shape {tuple(weight.shape)}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    if bias is not None:
-        validation.check_tensor(bias, "bias")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape [{weight.shape[0]}] (V_local), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise ValueError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
-    validation.check_temperature(temperature)
-    v_local = weight.shape[0]
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start!r}")
-    if global_vocab is None:
-        if tp_group is not None:
-            raise ValueError("global_vocab is required with tp_group (the full vocab size over all shards)")
-        global_vocab = vocab_start + v_local
-    if isinstance(global_vocab, bool) or not isinstance(global_vocab, int) or global_vocab < vocab_start + v_local:
-        raise ValueError(
-            f"global_vocab must be an int >= vocab_start + V_local = {vocab_start + v_local}, got {global_vocab!r}"
-        )
-    if tp_group is None and (vocab_start != 0 or global_vocab != v_local):
-        raise ValueError(
-            f"without tp_group the weight must hold the whole vocab: vocab_start must be 0 and global_vocab "
-            f"{v_local}, got vocab_start={vocab_start}, global_vocab={global_vocab}"
-        )
-    validation.check_target_ids(target_ids, hidden.shape[0], global_vocab, hidden.device)
-    return global_vocab
-
-
-def linear_logp(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    *,
-    tp_group: object | None = None,
-    vocab_start: int = 0,
-    global_vocab: int | None = None,
-) -> torch.Tensor:
-    """Selected log-prob of ``target_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
-
-    See the module docstring for shapes, dtypes, the vocab-parallel mode and the memory bound.
-    Returns fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias.
-    """
-    check_linear_logp_inputs(hidden, weight, target_ids, bias, temperature, tp_group, vocab_start, global_vocab)
+def linear_logp_call(call: LinearLogpCall) -> torch.Tensor:
+    """Selected log-prob of ``target_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``
+    on the kernels above: fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias."""
+    hidden, weight, target_ids, bias = call.hidden, call.weight, call.target_ids, call.bias
     # The kernels read rows with unit stride along H.
     hidden_c = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weight_c = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -837,9 +724,12 @@ def linear_logp(
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_c, weight_c, bias_c))
     return _LinearLogpFunction.apply(
-        hidden_c, weight_c, bias_c, target_ids, float(temperature), tp_group, int(vocab_start),
+        hidden_c, weight_c, bias_c, target_ids, call.temperature, call.tp_group, call.vocab_start,
         wants_grad and _save_chunk(),
     )
+
+
+linear_logp = entry_point(LinearLogpCall, linear_logp_call, name="linear_logp")
 
 
 def workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype) -> int:
@@ -855,4 +745,4 @@ def workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype) -> int:
     return forward + backward
 
 
-__all__ = ["BACKWARD_WORKSPACE_BYTES", "check_linear_logp_inputs", "linear_logp", "workspace_bytes"]
+__all__ = ["BACKWARD_WORKSPACE_BYTES", "linear_logp", "linear_logp_call", "workspace_bytes"]

@@ -1,7 +1,7 @@
 """Selected log-prob from logits: Triton kernels + autograd (single device and vocab-parallel).
 
-``logp(logits [T, V] fp32|bf16|fp16, target_ids [T] int64|int32, temperature) -> fp32 [T]``
-with ``logp_t = z_{t,id} - logsumexp(z_t)``, ``z = logits / temperature``.
+The op's arguments, shapes and checks: kernels/contracts/logp.py (``LogpCall``);
+``logp_t = z_{t,id} - logsumexp(z_t)``, ``z = logits / temperature``.
 
 Forward: one program per row reads the row once in vocab tiles with an online max / sum-exp
 (no [T, V] intermediate); it stores the row max ``m`` and ``S`` (fp32 [T]) for the backward
@@ -38,16 +38,16 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels import validation
+from kernels.contracts import LogpCall, entry_point
 from kernels.launch import CachedLaunch
 
 
 def vocab_block(vocab: int, dtype: torch.dtype, *, read_only: bool = False) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of ``vocab`` elements; a function of V and dtype only.
 
-    ``read_only=True`` (the forward's statistics sweep) gives 16-bit tiles 4 warps instead of 8: on an
-    H200 the bf16 forward at [8192, 151936] went from 93% to 98% of the HBM read limit, the same on
-    an H100 (101%); the write sweeps (backward) keep 8 (docs/performance-notes.md, 2026-11-22)."""
+    ``read_only=True`` (the forward's statistics sweep) gives 16-bit tiles 4 warps instead of 8: a
+    read-only sweep keeps more rows in flight that way and comes closer to the HBM read limit; the
+    write sweeps (backward) keep 8 (measurements: docs/performance-notes.md)."""
     cap = 4096 if dtype == torch.float32 else 8192
     block = min(cap, triton.next_power_of_2(vocab))
     num_warps = 8 if block >= 4096 else 4
@@ -249,24 +249,15 @@ class LogpFunction(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
-def logp(
-    logits: torch.Tensor,
-    target_ids: torch.Tensor,
-    temperature: float = 1.0,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    ignore_index: int = validation.IGNORE_INDEX,
-) -> torch.Tensor:
-    """Selected log-prob (see module docstring). logits [T, V] (or [T, V_local] with ``tp_group``),
-    target_ids [T] global ids -> fp32 [T], differentiable w.r.t. ``logits``."""
-    num_tokens, vocab = validation.check_logits(logits)
-    temperature = validation.check_temperature(temperature)
-    world = 1 if tp_group is None else dist.get_world_size(tp_group)
-    validation.check_target_ids(target_ids, num_tokens, vocab * world, logits.device, ignore_index)
-    ignore_index = int(ignore_index)
+def logp_call(call: LogpCall) -> torch.Tensor:
+    """Selected log-prob on the Triton kernels: fp32 [T], differentiable w.r.t. ``logits``."""
+    logits, target_ids, temperature, ignore_index = call.logits, call.target_ids, call.temperature, call.ignore_index
     if not (logits.requires_grad and torch.is_grad_enabled()):
-        # nothing to differentiate: skip autograd.Function's bookkeeping (~20 us of host time)
-        if tp_group is None:
+        # nothing to differentiate: skip autograd.Function's bookkeeping (host time of small calls)
+        if call.tp_group is None:
             return _launch_fwd(logits, target_ids, temperature, ignore_index, 0, False, stats=False)[0]
-        return logp_forward_stats(logits, target_ids, temperature, ignore_index, tp_group)[0]
-    return LogpFunction.apply(logits, target_ids, temperature, ignore_index, tp_group)
+        return logp_forward_stats(logits, target_ids, temperature, ignore_index, call.tp_group)[0]
+    return LogpFunction.apply(logits, target_ids, temperature, ignore_index, call.tp_group)
+
+
+logp = entry_point(LogpCall, logp_call, name="logp")

@@ -1,8 +1,7 @@
 """ratio and KL from per-token log-probs: one elementwise Triton kernel each way + autograd.
 
-``ratio_kl(logp, old_logp, ref_logp, mask, kl_type, use_unbiased_kl) -> (ratio [T], kl [T])``,
-all fp32 [T] (mask bool or float): ``ratio = exp(logp - old) * mask``;
-``kl = compute_kl(logp, ref, kl_type, use_unbiased_kl) * mask`` (see kernels/reference/kl.py).
+The op's arguments, shapes and checks: kernels/contracts/ratio_kl.py (``RatioKLCall``):
+``ratio = exp(logp - old) * mask``; ``kl = compute_kl(logp, ref, kl_type, use_unbiased_kl) * mask``.
 Backward (to ``logp`` only): ``g_ratio * ratio + g_kl * dkl/dlogp * mask``, recomputed from the
 inputs (nothing [T]-sized is saved beyond the inputs). ``kl_value_and_grad`` is the KL math shared
 with the fused GRPO loss kernel. The kernels read the mask in its own dtype (no converted copy).
@@ -12,7 +11,10 @@ call with nothing to differentiate skips ``autograd.Function``. Such a call, in 
 (plain contiguous CUDA tensors on the current device, the usual dtypes), takes the host path
 ``kernels/ops/host/ratio_kl_forward.cpp``: one C++ call that checks, allocates and launches the
 forward kernel this module compiled and registered for the same key. Anything else, or a call
-whose kernel is not registered yet, runs the Python path below (checks with their messages).
+whose kernel is not registered yet, runs the Python path below. ``ratio_kl(...)`` tries the host
+path before the contract's Python checks (it checks what it relies on itself and declines the
+rest, whose checks then name the bad input); ``ratio_kl_call(call)`` serves an already checked
+call (the dispatched path).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import triton
 import triton.language as tl
 
 from kernels import launch
+from kernels.contracts import KL_TYPES, RatioKLCall
+from kernels.contracts.checks import check_kl_type
 from kernels.launch import I32_MAX, CachedLaunch, LaunchKeyError
 from kernels.ops.host import HostModule
-from kernels.reference.kl import KL_TYPES, check_kl_type
-from kernels.reference.ratio_kl import check_ratio_kl_inputs
 
 ELEMENTWISE_BLOCK = 1024
 _KL_CODES = {name: code for code, name in enumerate(KL_TYPES)}
@@ -188,6 +190,34 @@ class RatioKLFunction(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _host_path(logp, old_logp, ref_logp, mask, code: int, unbiased: bool):
+    """(ratio, kl) from the C++ host path, or None where it declines (or holds no kernel yet)."""
+    host_forward = _host_forward
+    if host_forward is None:
+        return None
+    runtime = launch.fast_path_now()
+    if runtime is None:
+        return None
+    device = runtime.get_device()
+    return host_forward(logp, old_logp, ref_logp, mask, code, unbiased, device, runtime.get_stream(device))
+
+
+def ratio_kl_call(call: RatioKLCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio, kl) fp32 [T] on the Triton kernels (the host path first), autograd to ``logp``."""
+    code = kl_type_code(call.kl_type)
+    out = _host_path(call.logp, call.old_logp, call.ref_logp, call.mask, code, call.use_unbiased_kl)
+    if out is not None:
+        return out
+    return _ratio_kl(call.logp, call.old_logp, call.ref_logp, call.mask, code, call.use_unbiased_kl)
+
+
+def _ratio_kl(logp, old_logp, ref_logp, mask, code: int, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = (logp.contiguous(), old_logp.contiguous(), ref_logp.contiguous(), mask.contiguous(), code, unbiased)
+    if not (logp.requires_grad and torch.is_grad_enabled()):
+        return _forward(*inputs)  # nothing to differentiate: no autograd.Function bookkeeping
+    return RatioKLFunction.apply(*inputs)
+
+
 def ratio_kl(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -197,20 +227,11 @@ def ratio_kl(
     kl_type: str = "low_var_kl",
     use_unbiased_kl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logp, old_logp, ref_logp: [T] fp32 contiguous; mask [T] bool|float -> (ratio, kl) fp32 [T]."""
+    """``RatioKLCall``'s arguments (kernels/contracts/ratio_kl.py) -> (ratio, kl) fp32 [T]. The host
+    path runs before the contract's checks: a direct call of a few tokens is all host time."""
     code = kl_type_code(kl_type)
-    host_forward = _host_forward
-    if host_forward is not None:
-        runtime = launch.fast_path_now()
-        if runtime is not None:
-            device = runtime.get_device()
-            out = host_forward(logp, old_logp, ref_logp, mask, code, bool(use_unbiased_kl), device,
-                               runtime.get_stream(device))
-            if out is not None:
-                return out
-    check_ratio_kl_inputs(logp, old_logp, ref_logp, mask)
-    inputs = (logp.contiguous(), old_logp.contiguous(), ref_logp.contiguous(), mask.contiguous(), code,
-              bool(use_unbiased_kl))
-    if not (logp.requires_grad and torch.is_grad_enabled()):
-        return _forward(*inputs)  # nothing to differentiate: no autograd.Function bookkeeping
-    return RatioKLFunction.apply(*inputs)
+    out = _host_path(logp, old_logp, ref_logp, mask, code, bool(use_unbiased_kl))
+    if out is not None:
+        return out
+    call = RatioKLCall(logp, old_logp, ref_logp, mask, kl_type=kl_type, use_unbiased_kl=use_unbiased_kl)
+    return _ratio_kl(call.logp, call.old_logp, call.ref_logp, call.mask, code, call.use_unbiased_kl)

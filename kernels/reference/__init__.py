@@ -1,17 +1,33 @@
-"""fp32 PyTorch references of vime's exact training-side math (the contract our kernels meet).
+"""fp32 PyTorch references of vime's exact training-side math: the oracle every backend is judged by.
 
-One file per topic; every function documents its shapes, dtypes and formula. Public import path:
+One file per topic; every function documents its shapes, dtypes and formula. The ops' arguments
+and checks are their contracts' (kernels/contracts/); the reference imports nothing from
+``kernels.ops``, so the oracle never depends on what it judges. Public import path:
 ``kernels.reference``.
 """
 
 from __future__ import annotations
 
-from kernels.reference.advantages import GRPO_STD_EPS, broadcast_to_tokens, grpo_advantages
-from kernels.reference.grpo_loss import METRIC_NAMES, grpo_loss, grpo_loss_from_logp
+from kernels.contracts import LossConfig
+from kernels.reference.advantages import (
+    GRPO_STD_EPS,
+    broadcast_to_tokens,
+    grpo_advantages,
+)
+from kernels.reference.grpo_loss import (
+    METRIC_NAMES,
+    grpo_loss,
+    grpo_loss_from_logp,
+    reduce_grpo_loss,
+)
 from kernels.reference.kl import KL_TYPES, compute_kl
 from kernels.reference.logprob import selected_logprob, vocab_parallel_selected_logprob
-from kernels.reference.loss_config import LossConfig
-from kernels.reference.policy_loss import gspo_sequence_log_ratio, gspo_sequence_ratio, policy_loss, tis_weights
+from kernels.reference.policy_loss import (
+    gspo_sequence_log_ratio,
+    gspo_sequence_ratio,
+    policy_loss,
+    tis_weights,
+)
 from kernels.reference.ratio_kl import ratio_kl
 from kernels.reference.reductions import (
     REDUCTIONS,
@@ -44,6 +60,7 @@ __all__ = [
     "policy_loss",
     "ratio_kl",
     "reduce",
+    "reduce_grpo_loss",
     "resolve_lengths",
     "sample_index",
     "selected_logprob",

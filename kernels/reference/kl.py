@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import torch
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+from kernels.contracts.checks import KL_TYPES, check_kl_type
 
-
-def check_kl_type(kl_type: str) -> None:
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+__all__ = ["KL_TYPES", "compute_kl"]
 
 
 def compute_kl(

@@ -1,4 +1,5 @@
-"""fp32 reference of linear_logp: selected log-prob from hidden states and the LM head.
+"""fp32 reference of linear_logp (kernels/contracts/linear_logp.py): selected log-prob from hidden
+states and the LM head.
 
     z = (hidden.float() @ weight.float().T + bias.float()) / temperature
     logp[t] = log_softmax(z)[t, id_t]
@@ -6,7 +7,7 @@
 Why the fp32 upcast *before* the matmul: the oracle must not carry the error it is meant to
 detect. A bf16 matmul (cuBLAS with bf16 output, what an eager ``F.linear`` in bf16 gives) rounds every
 logit to 8 mantissa bits: at |z| ~ 20 that is ~0.06 per logit, and the log-softmax of V = 152k such
-rounded logits drifts ~7.6e-3 from the exact result (measured on an H100, docs/linear_logp.md). A
+rounded logits drifts ~7.6e-3 from the exact result (docs/linear_logp.md). A
 kernel that accumulates in fp32 is ~1e-5 from the fp32 result; judged against a bf16 reference it
 would look 7.6e-3 wrong, and a kernel as sloppy as the bf16 path would look perfect. With fp32
 operands every product of two bf16 numbers is exact, so only the fp32 summation order differs.
@@ -27,7 +28,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from kernels.reference.logprob import selected_logprob, vocab_parallel_selected_logprob
+from kernels.contracts import IGNORE_INDEX, LinearLogpCall, entry_point
+from kernels.reference.logprob import _selected_logprob, _vocab_parallel_selected_logprob
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -51,45 +53,29 @@ def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return logits if bias is None else logits + bias.float()
 
 
-def linear_logp(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_start: int = 0,
-    global_vocab: int | None = None,
-) -> torch.Tensor:
-    """fp32 [T] log-probs; autograd to hidden, weight and bias (grads in their own dtypes).
-
-    hidden [T, H], weight [V_local, H], bias [V_local] (float32|bfloat16|float16), target_ids [T]
-    global ids (``-100`` rows give 0). Materializes [T, V_local] fp32 logits: small shapes only.
-    """
-    # Same validation as the kernel, so a fallback never changes which inputs are accepted.
-    from kernels.ops.linear_logp import check_linear_logp_inputs
-
-    global_vocab = check_linear_logp_inputs(
-        hidden, weight, target_ids, bias, temperature, tp_group, vocab_start, global_vocab
-    )
-    if tp_group is None:
-        return selected_logprob(fp32_logits(hidden, weight, bias), target_ids, temperature)
-    world = dist.get_world_size(tp_group)
-    rank = dist.get_rank(tp_group)
-    shard_width = math.ceil(global_vocab / world)
-    if vocab_start != rank * shard_width or weight.shape[0] > shard_width:
+def linear_logp_call(call: LinearLogpCall) -> torch.Tensor:
+    """fp32 reference: [T] log-probs, autograd to hidden, weight and bias (grads in their own dtypes).
+    Materializes [T, V_local] fp32 logits: small shapes only."""
+    hidden, weight, bias, target_ids = call.hidden, call.weight, call.bias, call.target_ids
+    if call.tp_group is None:
+        return _selected_logprob(fp32_logits(hidden, weight, bias), target_ids, call.temperature, IGNORE_INDEX)
+    world = dist.get_world_size(call.tp_group)
+    rank = dist.get_rank(call.tp_group)
+    shard_width = math.ceil(call.global_vocab / world)
+    if call.vocab_start != rank * shard_width or weight.shape[0] > shard_width:
         raise ValueError(
             f"the reference supports Megatron's equal-shard layout only: rank {rank} of {world} must start "
-            f"at vocab_start={rank * shard_width} with V_local <= {shard_width}, got vocab_start={vocab_start}, "
+            f"at vocab_start={rank * shard_width} with V_local <= {shard_width}, got vocab_start={call.vocab_start}, "
             f"V_local={weight.shape[0]}"
         )
-    hidden_region = _CopyToTensorParallelRegion.apply(hidden, tp_group)
+    hidden_region = _CopyToTensorParallelRegion.apply(hidden, call.tp_group)
     logits = fp32_logits(hidden_region, weight, bias)
     pad = shard_width - logits.shape[1]
     if pad:
         logits = torch.cat([logits, logits.new_full((logits.shape[0], pad), float("-inf"))], dim=1)
-    return vocab_parallel_selected_logprob(logits, target_ids, temperature, tp_group)
+    return _vocab_parallel_selected_logprob(logits, target_ids, call.temperature, call.tp_group, IGNORE_INDEX)
 
 
-__all__ = ["fp32_logits", "linear_logp"]
+linear_logp = entry_point(LinearLogpCall, linear_logp_call, name="linear_logp")
+
+__all__ = ["fp32_logits", "linear_logp", "linear_logp_call"]

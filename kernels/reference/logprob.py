@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels import validation
+from kernels.contracts import IGNORE_INDEX, LogpCall
+from kernels.contracts.checks import check_logits, check_target_ids, check_temperature
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -25,17 +26,21 @@ def selected_logprob(
     target_ids: torch.Tensor,
     temperature: float = 1.0,
     *,
-    ignore_index: int = validation.IGNORE_INDEX,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Log-prob of each row's target token.
 
     logits: [T, V] float32|bfloat16|float16 (upcast to fp32 first); target_ids: [T] int64|int32;
     temperature: float > 0. Returns fp32 [T], differentiable w.r.t. ``logits``.
     """
-    validation.check_logits(logits)
-    validation.check_temperature(temperature)
-    num_tokens, vocab = logits.shape
-    validation.check_target_ids(target_ids, num_tokens, vocab, logits.device, ignore_index)
+    num_tokens, vocab = check_logits(logits)
+    temperature = check_temperature(temperature)
+    check_target_ids(target_ids, num_tokens, vocab, logits.device, ignore_index)
+    return _selected_logprob(logits, target_ids, temperature, ignore_index)
+
+
+def _selected_logprob(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float,
+                      ignore_index: int) -> torch.Tensor:
     z = _scaled(logits, temperature)
     ignored = target_ids == ignore_index
     safe_ids = torch.where(ignored, torch.zeros_like(target_ids), target_ids).long()
@@ -82,7 +87,7 @@ def vocab_parallel_selected_logprob(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     *,
-    ignore_index: int = validation.IGNORE_INDEX,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Selected log-prob with the vocab split over the ranks of ``tp_group``.
 
@@ -92,15 +97,27 @@ def vocab_parallel_selected_logprob(
     owning shard). Returns fp32 [T] (identical on every rank); gradient to ``logits_local`` is
     ``(1[v = id] - softmax_v) / temperature`` restricted to the shard.
     """
-    validation.check_logits(logits_local, "logits_local")
-    validation.check_temperature(temperature)
+    num_tokens, vocab_local = check_logits(logits_local, "logits_local")
+    temperature = check_temperature(temperature)
     world = dist.get_world_size(tp_group)
-    rank = dist.get_rank(tp_group)
-    num_tokens, vocab_local = logits_local.shape
-    validation.check_target_ids(target_ids, num_tokens, vocab_local * world, logits_local.device, ignore_index)
-    vocab_start = rank * vocab_local
+    check_target_ids(target_ids, num_tokens, vocab_local * world, logits_local.device, ignore_index)
+    return _vocab_parallel_selected_logprob(logits_local, target_ids, temperature, tp_group, ignore_index)
+
+
+def _vocab_parallel_selected_logprob(logits_local: torch.Tensor, target_ids: torch.Tensor, temperature: float,
+                                     tp_group: dist.ProcessGroup | None, ignore_index: int) -> torch.Tensor:
+    vocab_local = logits_local.shape[1]
+    vocab_start = dist.get_rank(tp_group) * vocab_local
     ignored = target_ids == ignore_index
     owned = (~ignored) & (target_ids >= vocab_start) & (target_ids < vocab_start + vocab_local)
     safe_local_ids = torch.where(owned, target_ids - vocab_start, torch.zeros_like(target_ids)).long()
     z_local = _scaled(logits_local, temperature)
     return _VocabParallelLogprob.apply(z_local, safe_local_ids, owned, ignored, tp_group)
+
+
+def logp_call(call: LogpCall) -> torch.Tensor:
+    """The ``logp`` op (kernels/contracts/logp.py) on the references above; the call is checked."""
+    if call.tp_group is None:
+        return _selected_logprob(call.logits, call.target_ids, call.temperature, call.ignore_index)
+    return _vocab_parallel_selected_logprob(call.logits, call.target_ids, call.temperature, call.tp_group,
+                                            call.ignore_index)

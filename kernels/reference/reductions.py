@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import validation
-
-REDUCTIONS = ("sum_of_sample_mean", "per_token_sum")
+from kernels.contracts import REDUCTIONS
+from kernels.contracts.checks import check_lengths
+from kernels.contracts.grpo_loss import sample_lengths
 
 
 def lengths_to_cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
@@ -35,12 +35,8 @@ def resolve_lengths(
     num_tokens: int, device: torch.device, lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The [B] int64 lengths from either form; neither given means one sample of all T tokens."""
-    validation.check_lengths(lengths, cu_seqlens, num_tokens)
-    if lengths is not None:
-        return lengths.to(device=device, dtype=torch.int64)
-    if cu_seqlens is not None:
-        return cu_seqlens_to_lengths(cu_seqlens).to(device)
-    return torch.tensor([num_tokens], dtype=torch.int64, device=device)
+    check_lengths(lengths, cu_seqlens, num_tokens)
+    return sample_lengths(num_tokens, device, lengths, cu_seqlens)
 
 
 def sample_index(lengths: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:

@@ -8,11 +8,12 @@ The MoE case (55-70 s) runs through `rlk e2e run`, proving the CLI hands TRL spe
 the GPU case (larger model, bf16) records the h100 baseline of the kernel arm's metrics.
 
 Fast checks of the integration itself (patch/unpatch, parity with TRL's own fused LM head, the
-perturbation guard) and of the engine's input validation run in-process.
+perturbed backend) and of the engine's input validation run in-process.
 
 The perturbed arm is an extra arm of the runner (`ExtraArm`): a variant of the spec with fewer
-rollouts whose kernel arm declares its own environment (`arms.kernels.env`), here the integration's
-test-only log-prob bias. The engine knows nothing of it.
+rollouts whose kernel arm declares its own environment (`arms.kernels.env`): it selects the
+test-only backend suites/e2e/perturbed_logp_backend.py (rlk-triton plus a log-prob bias) by its
+dotted path. Neither the engine nor the product knows of it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
 pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
 
+import perturbed_logp_backend as perturbed_backend  # noqa: E402
 import torch  # noqa: E402
 
 from pytest_rlk.e2e import metrics as m  # noqa: E402
@@ -37,11 +39,10 @@ from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError, load_spec  # noqa:
 DENSE_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-cpu.json"
 MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
 SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
-PERTURB_BIAS = 0.1  # log-prob units; the logprob-diff band is abs 0.02
 PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
 PERTURBED = "kernels_perturbed"
-# The kernel arm's test-only log-prob bias (kernels.integrations.trl refuses it without the allow switch).
-PERTURB_ENV = {"RLK_TEST_PERTURB_LOGP": repr(PERTURB_BIAS), "RLK_ALLOW_TEST_PERTURBATION": "1"}
+# The perturbed kernel arm's environment: a backend that adds LOGP_BIAS to every log-prob.
+PERTURB_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed_backend.DOTTED_PATH}
 
 
 def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
@@ -68,12 +69,12 @@ def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
     rlk_metrics.record_fallbacks(run.arm("kernels").info["fallback_counts"])
 
 
-def _assert_real_kernel_arm(run: ABRun, key: str = "kernels") -> None:
+def _assert_real_kernel_arm(run: ABRun, key: str = "kernels", backend: str = "rlk-triton") -> None:
     info, base = run.arm(key).info, run.arm("baseline").info
     assert info["kernels_installed"] and not base["kernels_installed"]
     assert info["patched"] == "trl.trainer.utils._ChunkedLogProbFunction"
     assert info["patched_calls"]["lm_head_logp"] >= 2 * run.arm(key).spec.hyperparameters.num_rollout
-    assert info["backend_id"].startswith("rlk-triton/"), info["backend_id"]
+    assert info["backend_id"].startswith(backend + "/"), info["backend_id"]
     assert info["fallback_counts"] == {} and info["env"].get("VIME_RL_KERNEL_STRICT") == "1"
     assert info["initial_weights_digest"] == base["initial_weights_digest"]
 
@@ -86,8 +87,8 @@ def _assert_real_kernel_arm(run: ABRun, key: str = "kernels") -> None:
 def _perturbed_variant(spec: ABSpec) -> ABSpec:
     raw = spec.model_dump(mode="json")
     raw["hyperparameters"]["num_rollout"] = PERTURB_ROLLOUTS
-    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} (test-only log-prob bias {PERTURB_BIAS:g})",
-                              "env": PERTURB_ENV}
+    label = f"{spec.arms.kernels.label} (test-only log-prob bias {perturbed_backend.LOGP_BIAS:g})"
+    raw["arms"]["kernels"] = {"label": label, "env": PERTURB_ENV}
     return ABSpec.model_validate(raw)
 
 
@@ -125,7 +126,7 @@ def test_trl_cpu_ab_perturbed_kernel_arm_fails_gate(dense_cpu_ab):
     perturbed = run.arm(PERTURBED)
     assert {k: perturbed.info["env"].get(k) for k in PERTURB_ENV} == PERTURB_ENV
     assert not set(PERTURB_ENV) & set(run.arm("kernels").info["env"])
-    _assert_real_kernel_arm(run, PERTURBED)
+    _assert_real_kernel_arm(run, PERTURBED, backend=perturbed_backend.BACKEND_ID)
     assert len(perturbed.series[m.RAW_REWARD]) == PERTURB_ROLLOUTS
     # Same seeds: until the bias matters, the perturbed arm trains exactly like the kernel arm.
     expected = run.arm("kernels").series[m.RAW_REWARD][:PERTURB_ROLLOUTS]
@@ -267,19 +268,29 @@ def test_patched_path_is_what_grpo_model_forward_uses(monkeypatch, tmp_path):
     torch.testing.assert_close(ours.entropy, native.entropy, atol=1e-5, rtol=1e-5)
 
 
-def test_perturbation_is_refused_without_the_allow_switch(monkeypatch):
-    from kernels.integrations import trl as integration
+def test_perturbed_backend_is_rlk_triton_plus_the_bias(monkeypatch):
+    """The backend the perturbed arm selects by dotted path: rlk-triton's log-probs + LOGP_BIAS,
+    dispatched like any backend (strict: no fallback), and nothing but logp."""
+    import kernels
+    from kernels.backends import get_backend
 
-    monkeypatch.setenv(integration.PERTURB_ENV, "0.1")
-    monkeypatch.delenv(integration.ALLOW_PERTURB_ENV, raising=False)
-    with pytest.raises(ValueError, match="RLK_ALLOW_TEST_PERTURBATION=1"):
-        integration.install()
-    assert not integration.is_installed()
-    monkeypatch.setenv(integration.ALLOW_PERTURB_ENV, "1")
-    assert integration.test_perturbation_bias() == 0.1
-    monkeypatch.setenv(integration.PERTURB_ENV, "lots")
-    with pytest.raises(ValueError, match="RLK_TEST_PERTURB_LOGP='lots' is not a number"):
-        integration.test_perturbation_bias()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when kernels.ops is first imported
+    hidden, weight, targets = _lm_head_case()
+    logits = torch.nn.functional.linear(hidden, weight).detach()
+    reason = get_backend("rlk-triton").supports("logp", device=logits.device)
+    if reason is not None:
+        pytest.skip(f"rlk-triton cannot run here: {reason}")
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton")
+    expected = kernels.logp(logits, targets)
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", perturbed_backend.DOTTED_PATH)
+    assert kernels.backend_id().startswith(perturbed_backend.BACKEND_ID + "/")
+    perturbed = kernels.logp(logits, targets)
+    torch.testing.assert_close(perturbed, expected + perturbed_backend.LOGP_BIAS, atol=1e-6, rtol=0)
+    with pytest.raises(kernels.KernelFallbackError, match="does not implement ratio_kl"):
+        kernels.ratio_kl(expected, expected, expected, torch.ones_like(expected))
 
 
 def test_rlk_e2e_run_of_a_trl_spec_refuses_vime_only_options(capsys):

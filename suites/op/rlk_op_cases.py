@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import tolerances
-from kernels.validation import IGNORE_INDEX
+from kernels.contracts import IGNORE_INDEX
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PLATFORM = tolerances.current_platform()
@@ -97,12 +97,13 @@ def loss_upstream_grad(
     """``grad_output * d loss / d logp`` [T] of the fp32 reference: the upstream gradient that
     scales a loss's dlogits tolerance (kernels.tolerances.UPSTREAM_RULE). ``loss_kwargs``: the
     loss inputs other than logits and ids (old/ref/rollout log-probs, advantages, mask, packing)."""
+    from kernels.contracts import LossInputs
     from kernels.reference import grpo_loss_from_logp, selected_logprob
 
     with torch.no_grad():
         logp = selected_logprob(logits.detach().float(), target_ids, temperature)
     logp.requires_grad_()
-    loss, _ = grpo_loss_from_logp(logp, config=config, **loss_kwargs)
+    loss, _ = grpo_loss_from_logp(logp, LossInputs(config=config, **loss_kwargs))
     (grad,) = torch.autograd.grad(loss * grad_output, logp)
     return grad
 

@@ -24,16 +24,39 @@ from typing import Any
 
 import pytest
 import torch
+from rlk_op_cases import (
+    DEVICE,
+    DTYPES,
+    loss_inputs,
+    loss_upstream_grad,
+    make_ids,
+    make_logits,
+    record_error,
+    summed_terms,
+)
 
-from kernels import backends, tolerances
+from kernels import backends, contracts, tolerances
+from kernels.contracts import LinearGrpoLossCall, LossInputs
 from kernels.reference import LossConfig, grpo_loss_from_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
-from rlk_op_cases import DEVICE, DTYPES, loss_inputs, loss_upstream_grad, make_ids, make_logits, record_error, summed_terms
 
 # test id -> backend name (built-in names: kernels/backends/__init__.py)
 DEFAULT_BACKENDS = {"rlk-triton": "rlk-triton", "liger": "liger", "rl_engine": "rl_engine"}
 ON_GPU = DEVICE == "cuda"
 FULL_SHAPE_SKIP = "full shape: needs a CUDA GPU (the CPU interpreter would take hours)"
+
+
+# op -> its call type: a backend's implementation is a function of one checked call
+CALLS = {**contracts.CALLS, "linear_grpo_loss": LinearGrpoLossCall}
+
+
+def op_function(backend: backends.Backend, op: str) -> Callable[..., Any]:
+    """``backend``'s implementation of ``op`` as a function of the op's arguments (as the public API)."""
+    return contracts.entry_point(CALLS[op], backend.get(op))
+
+
+def reference_op(op: str) -> Callable[..., Any]:
+    return op_function(backends.get_backend("reference"), op)
 
 
 def configured_backend(config: pytest.Config) -> str | None:
@@ -142,7 +165,7 @@ class CaseRun:
         reason = self.backend.supports(self.op, **case)
         if reason is not None:
             self.skip(f"{self.backend.id}/{self.backend.version}: {reason}")
-        return self.backend.get(self.op)
+        return op_function(self.backend, self.op)
 
     def compare(
         self, what: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype,
@@ -244,7 +267,7 @@ def test_logp(backend_name, case: LogpCase, rlk_metrics):
         tp_world=1, requires_grad=case.grad,
     )
     upcast = logits.detach().to(torch.float32, copy=True).requires_grad_(case.grad)
-    expected = backends.get_backend("reference").get("logp")(upcast, ids, case.temperature)
+    expected = reference_op("logp")(upcast, ids, case.temperature)
     leaf = logits.detach().clone().requires_grad_(case.grad)
     with torch.set_grad_enabled(case.grad):
         out = impl(leaf, ids, case.temperature)
@@ -295,7 +318,7 @@ def test_ratio_kl(backend_name, case: RatioKlCase, rlk_metrics):
     kwargs = {"kl_type": case.kl_type, "use_unbiased_kl": case.use_unbiased_kl}
     leaf, ref_leaf = logp.detach().clone().requires_grad_(), logp.detach().clone().requires_grad_()
     ratio, kl = impl(leaf, old, ref, mask, **kwargs)
-    ratio_ref, kl_ref = backends.get_backend("reference").get("ratio_kl")(ref_leaf, old, ref, mask, **kwargs)
+    ratio_ref, kl_ref = reference_op("ratio_kl")(ref_leaf, old, ref, mask, **kwargs)
     run.compare("ratio", ratio, ratio_ref, "ratio_kl", torch.float32)
     run.compare("kl", kl, kl_ref, "ratio_kl", torch.float32)
     gen = torch.Generator().manual_seed(5)
@@ -373,7 +396,7 @@ def test_grpo_loss(backend_name, case: GrpoCase, rlk_metrics):
     )
     kwargs = {**inputs, "config": case.config, "temperature": case.temperature}
     upcast = logits.detach().to(torch.float32, copy=True).requires_grad_()
-    expected_loss, expected_metrics = backends.get_backend("reference").get("grpo_loss")(upcast, ids, **kwargs)
+    expected_loss, expected_metrics = reference_op("grpo_loss")(upcast, ids, **kwargs)
     leaf = logits.detach().clone().requires_grad_()
     loss, metrics = impl(leaf, ids, **kwargs)
     terms = summed_terms(case.config, inputs["loss_mask"])
@@ -482,7 +505,7 @@ def test_linear_grpo_loss(backend_name, case: LinearCase, rlk_metrics):
         "loss_mask": torch.rand(case.tokens, generator=gen).to(DEVICE) > 0.25,
         "lengths": torch.tensor(lengths, device=DEVICE), "config": case.config,
     }
-    expected_loss, expected_metrics = grpo_loss_from_logp(policy_logp, **kwargs)
+    expected_loss, expected_metrics = grpo_loss_from_logp(policy_logp, LossInputs(**kwargs))
     h, w, b = _leaves(hidden, weight, bias)
     loss, metrics = impl(h, w, ids, b, **kwargs)
     terms = summed_terms(case.config, kwargs["loss_mask"])
@@ -515,7 +538,7 @@ def test_dispatch_routes_through_adapter(adapter_name, monkeypatch):
     logits, ids = inputs.pop("logits"), inputs.pop("target_ids")
     served = LossConfig(**K3)
     loss, _ = kernels.grpo_loss(logits, ids, **inputs, config=served)
-    expected, _ = backends.get_backend("reference").get("grpo_loss")(logits, ids, **inputs, config=served)
+    expected, _ = reference_op("grpo_loss")(logits, ids, **inputs, config=served)
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-6)
     assert kernels.fallback_counts() == {}, kernels.fallback_reasons()
     unserved = LossConfig(kl_loss_coef=0.05, kl_type="low_var_kl")

@@ -31,9 +31,9 @@ class LogpOnlyBackend(BaseBackend):
     capabilities = Capabilities(ops=frozenset({"logp"}), tp=False)
 
     def get(self, op):
-        from kernels.ops.logp import logp
+        from kernels.ops.logp import logp_call
 
-        return logp
+        return logp_call
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ import triton.language as tl
 from rlk_op_cases import DEVICE, make_ids, make_logits
 from triton.runtime.jit import JITFunction
 
-from kernels import launch, validation
+from kernels import launch
+from kernels.contracts import checks
 from kernels.launch import CachedLaunch
 from kernels.ops import logp as logp_op
 from kernels.ops import ratio_kl as ratio_kl_op
@@ -528,7 +529,7 @@ def test_logp_op_rejects_ids_on_another_device():
 
 
 def test_finite_check_follows_the_environment_at_every_call(monkeypatch):
-    """validation reads its switches through a faster os.environ lookup: set and unset still count."""
+    """The checks read their switches (kernels/settings.py) through a faster os.environ lookup: set and unset still count."""
     logits, ids = _logits_ids()
     logits[1, 3] = float("nan")
     monkeypatch.setenv("VIME_RL_KERNEL_CHECK_FINITE", "1")
@@ -538,11 +539,11 @@ def test_finite_check_follows_the_environment_at_every_call(monkeypatch):
     with torch.no_grad():
         assert torch.isnan(logp_op.logp(logits, ids)).sum() == 1
     monkeypatch.setenv("VIME_RL_KERNEL_CHECK_FINITE", "off")
-    assert validation.finite_check_enabled() is False
+    assert checks.finite_check_enabled() is False
     monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "0")
-    assert validation.ids_check_enabled() is False
+    assert checks.ids_check_enabled() is False
     monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "yes")
-    assert validation.ids_check_enabled() is True
+    assert checks.ids_check_enabled() is True
 
 
 def _ratio_inputs(num_tokens=16):

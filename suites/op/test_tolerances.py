@@ -1,5 +1,5 @@
-"""The tolerance table: complete, sourced, no looser than issue 3, mirrored in docs/tolerances.md,
-and its ulp comparison counts ulps correctly."""
+"""The tolerance table: complete, sourced, no looser than the ops' acceptance bounds, mirrored in
+docs/tolerances.md, and its ulp comparison counts ulps correctly."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_every_entry_has_a_source_and_both_platforms():
     [("logp", "fp32", 1e-5), ("grpo_loss", "fp32", 1e-5), ("logp.grad", "fp32", 1e-6), ("grpo_loss.grad", "fp32", 1e-6),
      ("logp", "bf16", 1e-4), ("logp", "fp16", 1e-4), ("logp.tp2", "fp32", 1e-5)],
 )
-def test_no_looser_than_issue_3(check, dtype, atol_max):
+def test_no_looser_than_the_acceptance_bounds(check, dtype, atol_max):
     for platform in tolerances.PLATFORMS:
         assert tolerances.get(check, dtype, platform).atol <= atol_max
 
@@ -58,7 +58,7 @@ def test_nonfinite_actual_fails():
 
 
 def test_assert_close_message_names_input_and_source():
-    with pytest.raises(AssertionError, match=r"dlogits \(fp32, cpu\).*exceeds atol 1e-06 \[issue 3 acceptance\]"):
+    with pytest.raises(AssertionError, match=r"dlogits \(fp32, cpu\).*exceeds atol 1e-06 \[acceptance bound of the logits ops\]"):
         tolerances.assert_close(torch.tensor([1.0]), torch.tensor([1.1]), "logp.grad", torch.float32, "cpu", name="dlogits")
 
 

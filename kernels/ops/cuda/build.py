@@ -8,7 +8,7 @@ the context PyTorch uses, and :func:`launch` passes plain pointers and scalars o
 current stream (so CUDA-graph capture records it like any other launch).
 
 ``nvcc``: ``$RLK_NVCC`` if set, else the one on ``PATH``, else ``$CUDA_HOME/bin/nvcc``.
-Cache: ``$RLK_CUDA_CACHE`` (default ``~/.cache/pytest-rlk/cuda``).
+Cache: ``$RLK_CUDA_CACHE`` (default ``~/.cache/pytest-rlk/cuda``). Both: kernels/settings.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from kernels import settings
 
 NVCC_FLAGS = (
     "-O3", "-std=c++17", "-lineinfo",
@@ -39,20 +41,20 @@ class CudaBuildError(RuntimeError):
 
 
 def find_nvcc() -> str | None:
-    explicit = os.environ.get("RLK_NVCC", "").strip()
-    if explicit:
-        return explicit if Path(explicit).is_file() else None
+    explicit = settings.NVCC.get()
+    if explicit is not None:
+        return str(explicit) if explicit.is_file() else None
     found = shutil.which("nvcc")
     if found:
         return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").is_file():
-        return str(Path(home) / "bin" / "nvcc")
+    home = settings.CUDA_HOME.get() or settings.CUDA_PATH.get()
+    if home and (home / "bin" / "nvcc").is_file():
+        return str(home / "bin" / "nvcc")
     return None
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RLK_CUDA_CACHE") or Path.home() / ".cache" / "pytest-rlk" / "cuda")
+    return settings.CUDA_CACHE.get().expanduser()
 
 
 def fatbin_path(source: Path, defines: tuple[str, ...] = ()) -> Path:

@@ -18,7 +18,7 @@
 // gradient's rounding order (kernels/ops/logp.py: row_write_grad) and the outputs' layout.
 // dlogits is written for grad_output == 1; the caller rescales (exactly) when it is not.
 //
-// Requirements checked by the caller (kernels/ops/grpo_loss_one_read.py): logits and dlogits
+// Requirements checked by the caller (kernels/ops/cuda/grpo_loss_one_read.py): logits and dlogits
 // rows 16-byte aligned (data pointer and row stride), ids int64, [T] inputs fp32 contiguous.
 
 #include <cooperative_groups.h>

@@ -5,9 +5,10 @@ per row, each holding ``slice`` columns of the row in shared memory. C is the sm
 CTA's slice within ``SLICE_BYTES`` (96 KiB, so that at least two CTAs share a multiprocessor and one
 CTA's copy overlaps another's writes; at V = 151936 the slices are 75968 bytes in bf16 (C = 4) and
 fp32 (C = 8), and three CTAs fit: 228 KiB of shared memory, registers capped for three in the
-source), up to ``MAX_SLICE_BYTES`` (one CTA per multiprocessor) at C = 8. Measured choices (512
-threads, 96 KiB, three CTAs): docs/performance-notes.md, "Session 3". Where it does not apply, :func:`plan` returns the reason and
-kernels/ops/grpo_loss.py runs the two-read Triton path (same values; one more read of the logits).
+source), up to ``MAX_SLICE_BYTES`` (one CTA per multiprocessor) at C = 8. The measurements behind
+512 threads, 96 KiB and three CTAs: docs/performance-notes.md. Where it does not apply,
+:func:`plan` returns the reason and kernels/ops/grpo_loss.py runs the two-read Triton path (same
+values; one more read of the logits).
 
 Applies when: the logits are on a CUDA device of compute capability >= 9.0 (thread-block
 clusters), fp32/bf16/fp16, rows contiguous and 16-byte aligned (data pointer, row stride, and
@@ -18,12 +19,12 @@ available (or the fatbin is cached), and ``RLK_GRPO_ONE_READ`` is not ``0``.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kernels import settings
 from kernels.ops.cuda import build
 
 SOURCE = Path(__file__).with_name("grpo_loss_one_read.cu")
@@ -76,7 +77,7 @@ def _buildable() -> bool:
 
 
 def enabled() -> bool:
-    return os.environ.get("RLK_GRPO_ONE_READ", "").strip().lower() not in ("0", "false", "no", "off")
+    return settings.GRPO_ONE_READ.get()
 
 
 def plan(logits: torch.Tensor) -> OneReadPlan | str:

@@ -8,6 +8,7 @@ of the source, the flags, the torch version and install path and the Python ABI.
 
 Compiler: ``$RLK_CXX``, else ``$CXX``, else ``g++`` or ``c++`` on ``PATH``.
 Cache: ``$RLK_CUDA_CACHE`` (default ``~/.cache/pytest-rlk/cuda``), shared with the CUDA kernels.
+Both: kernels/settings.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import shutil
 import sys
 import sysconfig
@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import settings
 from kernels.ops.cuda.build import build_cached, cache_dir
 
 logger = logging.getLogger("kernels")
@@ -38,10 +39,10 @@ class HostBuildError(RuntimeError):
 
 def _named_cxx() -> tuple[str, str] | None:
     """(variable, value) of the compiler the environment names, if it names one."""
-    for variable in ("RLK_CXX", "CXX"):
-        explicit = os.environ.get(variable, "").strip()
-        if explicit:
-            return variable, explicit
+    for setting in (settings.CXX, settings.TOOLCHAIN_CXX):
+        named = setting.get()
+        if named is not None:
+            return setting.name, str(named)
     return None
 
 

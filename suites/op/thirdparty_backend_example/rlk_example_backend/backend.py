@@ -4,6 +4,9 @@ logp uses ``-cross_entropy`` (the reference uses max-shift + logsumexp + gather)
 ``expm1``, linear_logp an fp32 ``F.linear`` + ``-cross_entropy``. It declares what it does not do:
 no ``grpo_loss``, no fp16, no vocab parallelism; the suite skips those cases with these reasons.
 
+Each implementation takes the op's checked call (``kernels.contracts.LogpCall``, ...): its fields
+are the public function's arguments, already checked, so the backend does the math only.
+
 ``make_broken_backend`` returns the same backend with a deliberate error in one logp element
 (``example-broken``): the suite's report must say where it disagrees.
 """
@@ -17,44 +20,42 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backends.base import BaseBackend, Capabilities
+from kernels.contracts import LinearLogpCall, LogpCall, RatioKLCall
 
-IGNORE_INDEX = -100
 
-
-def logp(logits, target_ids, temperature=1.0, *, tp_group=None, ignore_index=IGNORE_INDEX):
+def logp(call: LogpCall) -> torch.Tensor:
     """logits [T, V] fp32|bf16 -> fp32 [T]; rows with ``ignore_index`` give 0."""
-    if tp_group is not None:
+    if call.tp_group is not None:
         raise ValueError("example-torch: logp has no vocab-parallel form (tp_group given)")
-    z = logits.float() / temperature
-    return -F.cross_entropy(z, target_ids.long(), reduction="none", ignore_index=ignore_index)
+    z = call.logits.float() / call.temperature
+    return -F.cross_entropy(z, call.target_ids.long(), reduction="none", ignore_index=call.ignore_index)
 
 
-def ratio_kl(logp, old_logp, ref_logp, mask, *, kl_type="low_var_kl", use_unbiased_kl=False):
+def ratio_kl(call: RatioKLCall) -> tuple[torch.Tensor, torch.Tensor]:
     """[T] fp32 -> (ratio, kl), masked."""
-    m = mask.float()
-    log_ratio = logp - old_logp
-    r = logp - ref_logp
-    if kl_type == "k1":
+    m = call.mask.float()
+    log_ratio = call.logp - call.old_logp
+    r = call.logp - call.ref_logp
+    if call.kl_type == "k1":
         kl = r
-    elif kl_type == "k2":
+    elif call.kl_type == "k2":
         kl = 0.5 * r.square()
-    elif kl_type in ("k3", "low_var_kl"):
+    else:  # k3 and low_var_kl (the contract admits nothing else)
         kl = torch.expm1(-r) + r
-        if kl_type == "low_var_kl":
+        if call.kl_type == "low_var_kl":
             kl = kl.clamp(-10.0, 10.0)
-    else:
-        raise ValueError(f"example-torch: unknown kl_type {kl_type!r}")
-    if use_unbiased_kl:
+    if call.use_unbiased_kl:
         kl = kl * log_ratio.exp()
     return log_ratio.exp() * m, kl * m
 
 
-def linear_logp(hidden, weight, target_ids, bias=None, temperature=1.0, *, tp_group=None, vocab_start=0, global_vocab=None):
+def linear_logp(call: LinearLogpCall) -> torch.Tensor:
     """hidden [T, H], weight [V, H] -> fp32 [T] (fp32 matmul)."""
-    if tp_group is not None:
+    if call.tp_group is not None:
         raise ValueError("example-torch: linear_logp has no vocab-parallel form (tp_group given)")
-    z = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) / temperature
-    return -F.cross_entropy(z, target_ids.long(), reduction="none")
+    bias = None if call.bias is None else call.bias.float()
+    z = F.linear(call.hidden.float(), call.weight.float(), bias) / call.temperature
+    return -F.cross_entropy(z, call.target_ids.long(), reduction="none")
 
 
 class ExampleBackend(BaseBackend):
@@ -77,8 +78,8 @@ def make_backend() -> ExampleBackend:
     return ExampleBackend()
 
 
-def _broken_logp(logits, target_ids, temperature=1.0, **kwargs):
-    out = logp(logits, target_ids, temperature, **kwargs)
+def _broken_logp(call: LogpCall) -> torch.Tensor:
+    out = logp(call)
     return out + torch.nn.functional.one_hot(torch.tensor(2), out.shape[0]).to(out) * 1e-3
 
 

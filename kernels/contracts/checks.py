@@ -1,8 +1,8 @@
-"""Input checks shared by every implementation of every op (references and Triton alike).
+"""Input checks shared by every op's contract (kernels/contracts/<op>.py).
 
 Every check raises ``ValueError`` (or ``TypeError`` for a wrong type) with a message that names
-the offending input, so a fallback from a kernel to the reference never changes which inputs are
-accepted.
+the offending input. The contracts run them once per call, before dispatch, so every backend
+sees the same accepted inputs and a fallback never changes which inputs are accepted.
 
 Policies (stated once, here):
 
@@ -25,40 +25,17 @@ Policies (stated once, here):
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from kernels import settings
 
 IGNORE_INDEX = -100
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int64, torch.int32)
-_POSIX = os.name == "posix"
-
-
-_FALSE_WORDS = ("0", "false", "no", "off")
-_FALSE_BYTES = tuple(word.encode() for word in _FALSE_WORDS)
-
-
-def _env_flag(name: bytes, default: bool) -> bool:
-    """Whether the environment flag ``name`` is on: unset or empty gives ``default``; 0, false, no
-    or off (any case, surrounding blanks ignored) is off; anything else is on.
-
-    These flags are read on every call (tests and users flip them at run time), so the common
-    case is kept cheap: on POSIX CPython ``os.environ`` keeps its bytes store in ``_data``, updated
-    by every set and delete through ``os.environ`` (``monkeypatch.setenv`` included), and a bytes
-    lookup there skips the str round trip and, for an unset name, the KeyError ``os.environ.get``
-    raises and catches inside (~1-2 us per flag on our GPU hosts). Anything else takes
-    ``os.environ.get``."""
-    data = getattr(os.environ, "_data", None)
-    if type(data) is dict and _POSIX:
-        value = data.get(name)
-        if not value:
-            return default
-        return value.strip().lower() not in _FALSE_BYTES
-    text = os.environ.get(os.fsdecode(name))
-    if not text:
-        return default
-    return text.strip().lower() not in _FALSE_WORDS
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+_CHECK_IDS = settings.CHECK_IDS.get
+_CHECK_FINITE = settings.CHECK_FINITE.get
 
 
 def _compiling() -> bool:
@@ -68,7 +45,7 @@ def _compiling() -> bool:
 
 
 def ids_check_enabled() -> bool:
-    return _env_flag(b"VIME_RL_KERNEL_CHECK_IDS", True) and not _compiling()
+    return _CHECK_IDS() and not _compiling()
 
 
 def _reads_device_data(x: torch.Tensor) -> bool:
@@ -78,7 +55,12 @@ def _reads_device_data(x: torch.Tensor) -> bool:
 
 
 def finite_check_enabled() -> bool:
-    return _env_flag(b"VIME_RL_KERNEL_CHECK_FINITE", False)
+    return _CHECK_FINITE()
+
+
+def check_kl_type(kl_type: str) -> None:
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
 
 
 def check_tensor(x: object, name: str) -> torch.Tensor:
