@@ -5,7 +5,9 @@ one sequence: four partial sums, each rounded to bf16, then added (a split reduc
 picks by batch size, with low-precision partials: ~2^-9 relative on the variance, 1e-4..1e-3 on the
 log-probs, far above the fp32 batch-invariance bound of 1e-5). A forward of one sequence (the
 ``alone`` and ``packed`` layouts) reduces as transformers does. Every comparison whose two sides
-forward the same batch shapes sees the same reduction on both sides.
+forward the same batch shapes sees the same reduction on both sides. On a GPU, where forwards of
+other batch shapes (``micro2``) already differ at ~1e-6, the bf16 rounding of the partials turns
+that into ~1e-4: a layout effect too, in A2.
 
     with batch_variant_rmsnorm():
         run_ladder(...)

@@ -12,9 +12,9 @@ both its sources). A5 would move too (training runs the kernels there): that is 
 ladder attributes, to A1.
 
 The reduction order: Qwen3's RMSNorm reducing in bf16-rounded partial sums whenever a forward holds
-more than one sequence (perturbed_reduction.py), a batch-variant kernel. Only A2's one-sequence
-layouts (``alone``, ``packed``) fail; A0 stays bitwise; every rung whose two sides forward the same
-batch shapes keeps its gate.
+more than one sequence (perturbed_reduction.py), a batch-variant kernel. Only A2 fails among
+A0-A3 (always its one-sequence layouts ``alone`` and ``packed``; on a GPU also ``micro2``), and
+among the pairs only those that change the layout; A0 stays bitwise.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def test_injected_reduction_order_fails_exactly_its_rung(drift_cases, ladders):
     print("\n".join(f"{key}: {problems or 'pass'}" for key, problems in verdicts.items()))
     failing = {key for key, problems in verdicts.items() if problems}
     single = {key for key in failing if key.split("/")[0] in ("A0", "A1", "A2", "A3")}
-    assert single == {"A2/alone", "A2/packed"}, verdicts
+    # the one-sequence layouts always; on a GPU, where batched forwards of other shapes already
+    # differ at ~1e-6, the bf16 rounding of the partial sums amplifies that in micro2 too: A2 still
+    assert {"A2/alone", "A2/packed"} <= single <= {s.key for s in SPECS if s.rung == "A2"}, verdicts
     owners = {s.key for s in SPECS if "layout" in s.a.differing(s.b)}
     assert failing <= owners, verdicts
     assert any("contract: max |dlogp|" in p for p in verdicts["A2/alone"]), verdicts["A2/alone"]
