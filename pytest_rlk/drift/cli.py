@@ -40,7 +40,8 @@ class DriftUsageError(ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("models", nargs="+", metavar="MODEL",
                         help="an HF model directory, or a name under --model-root (e.g. qwen3_4b or Qwen3-4B)")
-    parser.add_argument("--model-root", type=Path, default=None, help="where model names are looked up")
+    parser.add_argument("--model-root", "--rlk-model-root", dest="model_root", type=Path, default=None,
+                        help="where model names are looked up (the plugin's --rlk-model-root layout)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: .rlk/runs/drift-<UTC time>)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

@@ -7,6 +7,7 @@ the rollout path is the session's shared one (test_drift_ladder.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -56,6 +57,17 @@ def test_unknown_model_is_named(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nope"), "--model-root", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert f"model '{tmp_path / 'nope'}': no HF model directory" in err and str(tmp_path / "nope") in err
+
+
+@pytest.mark.parametrize("option", ["--model-root", "--rlk-model-root"])
+def test_a_model_name_is_found_under_the_model_root(tmp_path, option):
+    """The plugin's checkpoint layout: a marker name (qwen3_4b) or its HF directory name (Qwen3-4B)."""
+    (tmp_path / "Qwen3-4B").mkdir()
+    (tmp_path / "Qwen3-4B" / "config.json").write_text("{}")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["qwen3_4b", option, str(tmp_path)])
+    assert cli.resolve_model(args.models[0], args.model_root) == (tmp_path / "Qwen3-4B").resolve()
 
 
 def test_model_with_its_own_code_needs_the_flag(tmp_path, capsys):
