@@ -145,3 +145,18 @@ def test_result_round_trips_through_json(tmp_path):
     (back,) = load_results(paths["json"])
     assert back.to_dict() == result.to_dict()
     assert "| A3 | bf16 | dtype: fp32 -> bf16 |" in paths["table"].read_text()
+
+
+def test_a_case_the_backend_cannot_serve_makes_the_side_unavailable(monkeypatch):
+    """Strict mode's fallback error becomes the side's skip reason (the dispatcher's words); the
+    reference is never measured under the kernel's name."""
+    import torch
+
+    from pytest_rlk.drift.arith import SideUnavailable, logp_from_hidden
+
+    # a test-only backend that serves logp only: linear_logp falls back, which strict mode refuses
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "suites.e2e.perturbed_logp_backend:make_backend")
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(4, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    with pytest.raises(SideUnavailable, match="linear_logp"):
+        logp_from_hidden("kernels-linear", hidden, weight, None, torch.randint(0, 16, (4,), generator=gen), 1.0)
