@@ -173,7 +173,8 @@ def _declare(setting: Setting[T]) -> Setting[T]:
 # -- which implementation serves an op (kernels/dispatch.py) ------------------------------------
 KERNELS = _declare(Setting(
     "VIME_RL_KERNEL", parse_flag, False,
-    "Run the ops on the kernel backend. Off: every op runs the fp32 reference, and that is not a fallback.",
+    "Run the ops on the kernel backend. Off: every op runs the fp32 reference, and that is not a fallback "
+    "(the vime custom loss then hands its calls to vime's own loss).",
     readers=("kernels/dispatch.py", "kernels/integrations/vime.py", "kernels/integrations/trl.py")))
 OPS = _declare(Setting(
     "VIME_RL_KERNEL_OPS", parse_op_list, None,
@@ -234,9 +235,17 @@ LINEAR_LOGP_TMA = _declare(Setting(
     "RLK_LINEAR_LOGP_TMA", parse_flag, True,
     "Use the persistent TMA kernel for bf16/fp16 on Hopper or newer; off: the pointer kernels.",
     readers=("kernels/ops/linear_logp.py",)))
-LINEAR_LOGP_SAVE_CHUNK = _declare(Setting(
-    "RLK_LINEAR_LOGP_SAVE_CHUNK", parse_flag, True,
-    "The forward keeps the first backward chunk's exponentials, so the backward recomputes one chunk fewer.",
+LINEAR_LOGP_SAVE_LOGITS = _declare(Setting(
+    "RLK_LINEAR_LOGP_SAVE_LOGITS", parse_flag, True,
+    "The forward keeps as many logits (as exponentials) as the workspace budget holds, so the backward "
+    "recomputes only the rest; off: it keeps none and the backward recomputes them all.",
+    readers=("kernels/ops/linear_logp.py",)))
+LINEAR_LOGP_WORKSPACE_BYTES = _declare(Setting(
+    "RLK_LINEAR_LOGP_WORKSPACE_BYTES", parse_positive_int, None,
+    "The memory linear_logp may hold beyond its inputs, output and gradients, in bytes, where a call "
+    "passes no `workspace_bytes`; unset: 256000000, raised where the shape needs more for chunks of 4096 "
+    "vocab columns. The logits' size (T x V x 2 bytes, 16-bit inputs) plus ~2% keeps them all: "
+    "forward+backward in three matrix products instead of four.",
     readers=("kernels/ops/linear_logp.py",)))
 LINEAR_LOGP_GROUP_T = _declare(Setting(
     "RLK_LINEAR_LOGP_GROUP_T", parse_positive_int, None,
@@ -260,8 +269,8 @@ CUDA_CACHE = _declare(Setting(
 # -- integrations and backends -------------------------------------------------------------------
 NATIVE_LOSS = _declare(Setting(
     "VIME_RL_KERNEL_NATIVE_LOSS", parse_text, "vime.backends.megatron_utils.loss:policy_loss_function",
-    "vime's own policy loss (`module:function`), which the vime adapter falls back to for settings it "
-    "cannot serve.",
+    "vime's own policy loss (`module:function`): the vime adapter hands it every call with the kernels off, "
+    "and the calls it cannot compute exactly.",
     readers=("kernels/integrations/vime.py",), read="when used"))
 RL_ENGINE_PATH = _declare(Setting(
     "RLK_RL_ENGINE_PATH", parse_path, None,

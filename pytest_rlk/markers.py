@@ -25,6 +25,7 @@ MARKERS: dict[str, str] = {
     "bench": "benchmark (timing) test",
     "slow": "slow test",
     "vime": "needs a vime checkout (--rlk-vime-root)",
+    "vime_fork": "needs a checkout of the RL-Align vime fork (--rlk-vime-fork-root)",
     "h100": "needs an NVIDIA H100 (several hardware markers on one test mean any of them)",
     "h200": "needs an NVIDIA H200",
     "a100": "needs an NVIDIA A100",

@@ -62,6 +62,7 @@ def pytest_addoption(parser):
     group.addoption("--rlk-require-baselines", action="store_true", default=False, help="a missing baseline fails the test (nightly mode)")
     group.addoption("--rlk-platform", metavar="TAG", default=None, help="override the detected platform tag (h100, h200, a100, gb200, other-gpu, cpu); cpu also hides the GPUs from the marker checks")
     group.addoption("--rlk-vime-root", metavar="PATH", default=None, help="a vime checkout (its commit is recorded; enables vime tests)")
+    group.addoption("--rlk-vime-fork-root", metavar="PATH", default=None, help="a checkout of the RL-Align vime fork (enables the vime_fork conformance tests)")
     group.addoption("--rlk-model-root", metavar="DIR", default=None, help="directory holding model checkpoints for the model markers")
     group.addoption("--rlk-refresh-rel", metavar="X", default=None, help="flag a value better than its baseline by more than max(X*|ref|, abs_floor) as 'refresh the baseline' (default: the metric's band)")
     group.addoption("--rlk-fail-on-improvement", action="store_true", default=False, help="fail tests whose metrics improved beyond the refresh band")

@@ -27,6 +27,12 @@ class LinearLogpCall:
     temperature   a finite float > 0.
     tp_group      with it, this rank holds global ids ``[vocab_start, vocab_start + V_local)`` of
                   ``global_vocab`` (required); the hidden states are replicated over the group.
+    workspace_bytes
+                  a positive int or None: the most memory (bytes) an implementation that chunks over the
+                  vocab may hold beyond the inputs, the output and the returned gradients, from the
+                  forward through the backward (the Triton op: the more, the more logits the forward
+                  keeps for the backward; None: ``RLK_LINEAR_LOGP_WORKSPACE_BYTES``, else 256 MB).
+                  It never changes the result; implementations that hold the logits ignore it.
     returns       fp32 [T], autograd to hidden, weight and bias (gradients in their own dtypes).
     """
 
@@ -39,11 +45,14 @@ class LinearLogpCall:
     tp_group: dist.ProcessGroup | None = None
     vocab_start: int = 0
     global_vocab: int | None = None  # resolved to an int by the checks
+    workspace_bytes: int | None = None
     tp_world: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         global_vocab = check_linear_logp_inputs(self.hidden, self.weight, self.target_ids, self.bias,
                                                 self.temperature, self.tp_group, self.vocab_start, self.global_vocab)
+        if self.workspace_bytes is not None:
+            check_workspace_bytes(self.workspace_bytes)
         self.temperature = float(self.temperature)
         self.global_vocab = global_vocab
         self.tp_world = tp_world(self.tp_group)
@@ -108,4 +117,11 @@ def check_linear_logp_inputs(
     return global_vocab
 
 
-__all__ = ["HIDDEN_DTYPES", "LinearLogpCall", "check_linear_logp_inputs"]
+def check_workspace_bytes(workspace_bytes: object) -> int:
+    """A workspace budget: a positive int (bytes)."""
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes <= 0:
+        raise ValueError(f"workspace_bytes must be a positive int (bytes), got {workspace_bytes!r}")
+    return workspace_bytes
+
+
+__all__ = ["HIDDEN_DTYPES", "LinearLogpCall", "check_linear_logp_inputs", "check_workspace_bytes"]

@@ -1,25 +1,32 @@
 """linear_logp provider for vime's fork: ``--linear-logp-provider kernels.integrations.linear_logp_provider.provide``.
 
-The fork loads a provider callable by dotted path (``pkg.module.callable``) and calls it with one
-request object; the result carries log-probs ``[T, 1]`` fp32 on the hidden states' device, a backend
-id, a contract id and provenance (docs/linear_logp.md, ../shared/docs/vime-facts.md).
+The fork (``vime/backends/megatron_utils/linear_logp_provider.py``) loads the provider by dotted path
+(``pkg.module.callable``) and calls it with one ``LinearLogpRequest`` from its ``compute_linear_logp``;
+``provide`` reads that request by attribute (the field names below are the fork's):
 
-vime cannot be installed here, so the request/result below are dataclasses that *mirror the
-documented contract*; ``provide`` reads the request by attribute access only (duck typing), so the
-fork's own request objects work as long as they carry the documented fields. Where the fork's
-attribute spelling is not known for sure, a few spellings are accepted (``_FIELD_ALIASES``).
+* ``logits [T, V_local]`` (already divided by the temperature; the fork keeps them for its native path),
+  ``target_ids [T]``, ``tensor_parallel_group``, ``token_layout``, ``with_entropy``, ``with_entropy_grad``,
+  ``chunk_size``, ``log_prob_keep_mask [T, V_local] | None``, ``temperature float | Tensor | None``,
+  ``metadata``;
+* ``context``: ``hidden [T, H]``, ``projection.weight [V_local, H]`` / ``.bias``, ``vocab_partition``
+  ``(local_start, local_size, real_size, padded_size)``.
 
-Modes (``request.mode``, else ``request.metadata["mode"]``, else ``"auto"``; the fork's
-``--linear-logp-provider-mode``):
-* ``auto``: a request this provider cannot serve returns ``LinearLogpUnavailable(reason=...)``, the
-  explicit "unavailable" signal on which the fork falls back to its native path (and logs the reason).
-* ``strict``: the same situations raise ``LinearLogpProviderUnavailable`` naming the reason; the
-  result must also have non-empty ids and, when gradients are being recorded, log-probs connected
-  to autograd.
+It returns ``LinearLogpResult(logp [T, 1] fp32, entropy [T] | None, backend_id, contract_id,
+provenance)``. A request it cannot serve raises ``LinearLogpProviderUnavailable`` (an exception with
+``linear_logp_provider_unavailable = True``, the only "unavailable" signal the fork reads): the fork's
+``--linear-logp-provider-mode`` decides what follows (``auto``: a WARNING and vime's native path;
+``strict``: ``RuntimeError``). The mode is the fork's business, read from its ``args``; the request
+carries none.
 
-A served request runs the public ``linear_logp`` op through :mod:`kernels.dispatch`, like every
-other hook: ``VIME_RL_KERNEL``, the backend switch, strict mode and the fallback counters apply,
-and the result's ``backend_id`` names the backend that computed it.
+Served: the log-prob of every row through the public ``linear_logp`` op (:mod:`kernels.dispatch`:
+``VIME_RL_KERNEL``, the backend switch, strict mode and the fallback counters apply; ``backend_id`` names
+the backend that computed it). Rows are independent, so every token layout is served. With
+``with_entropy`` the entropy comes from the request's logits (fp32 softmax, what vime's native path
+computes; autograd only with ``with_entropy_grad``), on one vocab shard only. Declined (unavailable,
+with the reason): no context; a ``log_prob_keep_mask`` (top-p replay renormalizes over kept tokens,
+which the fused kernel does not); a per-row temperature tensor; entropy over a sharded vocab; target
+ids at or past ``real_size``; a sharded vocab without a TP group; any input the op rejects.
+``temperature = None`` means no temperature (1.0), as on the fork's native path.
 """
 
 from __future__ import annotations
@@ -31,267 +38,137 @@ import torch
 
 from kernels import dispatch
 from kernels.contracts import LinearLogpCall
-from kernels.ops import INTERPRETED
 
 # What to pass as --linear-logp-provider: the fork's form is pkg.module.callable (last dot = callable).
 DOTTED_PATH = "kernels.integrations.linear_logp_provider.provide"
 BACKEND_ID = "rlk-triton/0.1.0"  # the backend this provider serves from when the kernels are on
 CONTRACT_ID = "vime.linear_logp.provider/v1"
-MODES = ("auto", "strict")
-LAYOUTS = ("single", "zigzag", "allgather")
 
 
 class LinearLogpProviderUnavailable(RuntimeError):
-    """Raised in strict mode where auto mode returns ``LinearLogpUnavailable``."""
+    """This request is not served here: the fork's auto mode runs its native path, strict mode fails.
+
+    The fork recognises it by the attribute, not by the class (provider packages stay independent)."""
+
+    linear_logp_provider_unavailable = True
 
 
-# ---------------------------------------------------------------------------------------------
-# Request / result: dataclasses mirroring the fork's documented provider contract
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VocabPartition:
-    """This rank's rows of the LM head: global ids [local_start, local_start + local_size)."""
-
-    local_start: int
-    local_size: int
-    real_vocab_size: int  # tokenizer vocab; target ids must be below it
-    padded_vocab_size: int  # Megatron's padded vocab (all shards together); padded rows take part in the softmax
-
-
-@dataclass
-class Projection:
-    """The output layer (LM head) weight [V_local, H] and optional bias [V_local]; not the embedding."""
-
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None = None
-
-
-@dataclass
-class LinearLogpContext:
-    hidden_states: torch.Tensor  # [T, H]
-    projection: Projection
-    vocab_partition: VocabPartition
-
-
-@dataclass
-class TokenLayout:
-    world_size: int = 1
-    rank: int = 0
-    layout: str = "single"  # single | zigzag | allgather
-
-
-@dataclass
-class LinearLogpRequest:
-    target_ids: torch.Tensor  # [T] global ids
-    context: LinearLogpContext
-    temperature: float = 1.0
-    tp_group: Any = None
-    token_layout: TokenLayout = field(default_factory=TokenLayout)
-    with_entropy: bool = False
-    with_entropy_grad: bool = False
-    chunk_size: int | None = None
-    keep_mask: torch.Tensor | None = None  # [T] bool/float: rows outside it get log-prob 0
-    metadata: dict = field(default_factory=dict)
-    mode: str = "auto"
-
-
-@dataclass
+@dataclass(frozen=True)
 class LinearLogpResult:
-    log_probs: torch.Tensor  # [T, 1] float32, same device as the hidden states
+    """What the fork's ``_normalize_result`` reads (by attribute)."""
+
+    logp: torch.Tensor  # [T, 1] float32 on the logits' device
+    entropy: torch.Tensor | None  # [T] float32 exactly when with_entropy, else None
     backend_id: str
     contract_id: str
-    provenance: dict
-    entropy: torch.Tensor | None = None  # never computed here (entropy requests are declined)
-    available: bool = True
+    provenance: dict = field(default_factory=dict)
 
 
-@dataclass
-class LinearLogpUnavailable:
-    """The explicit "unavailable" signal (auto mode): the fork falls back to its native path."""
-
-    reason: str
-    backend_id: str = BACKEND_ID
-    contract_id: str = CONTRACT_ID
-    available: bool = False
+def _unavailable(reason: str) -> LinearLogpProviderUnavailable:
+    return LinearLogpProviderUnavailable(f"RL-Kernel linear_logp is unavailable: {reason}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Duck-typed access
-# ---------------------------------------------------------------------------------------------
-
-_MISSING = object()
-_FIELD_ALIASES: dict[str, tuple[str, ...]] = {
-    "hidden_states": ("hidden_states", "hidden"),
-    "projection": ("projection", "lm_head", "output_layer"),
-    "vocab_partition": ("vocab_partition", "partition"),
-    "local_start": ("local_start", "vocab_start", "local_vocab_start"),
-    "local_size": ("local_size", "vocab_size_local", "local_vocab_size"),
-    "real_vocab_size": ("real_vocab_size", "vocab_size"),
-    "padded_vocab_size": ("padded_vocab_size",),
-    "target_ids": ("target_ids", "targets", "token_ids"),
-    "keep_mask": ("keep_mask", "logprob_keep_mask"),
-    "token_layout": ("token_layout", "layout_info"),
-}
+def _temperature(value: Any, rows: int) -> float:
+    if value is None:
+        return 1.0
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise _unavailable(f"per-row temperature (a tensor of {value.numel()} values for {rows} rows)")
+        value = value.reshape(()).item()
+    value = float(value)
+    if not value > 0.0:
+        raise _unavailable(f"temperature <= 0 ({value})")
+    return value
 
 
-def _get(obj: Any, name: str, default: Any = _MISSING) -> Any:
-    for attr in _FIELD_ALIASES.get(name, (name,)):
-        value = obj.get(attr, _MISSING) if isinstance(obj, dict) else getattr(obj, attr, _MISSING)
-        if value is not _MISSING:
-            return value
-    if default is _MISSING:
-        raise _Unservable(f"request has no field {name!r} (looked for {', '.join(_FIELD_ALIASES.get(name, (name,)))})")
-    return default
+def _tp_world(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
-class _Unservable(Exception):
-    """Internal: the request cannot be served; the message is the reason."""
+def _entropy(logits: torch.Tensor, with_grad: bool) -> torch.Tensor:
+    """Entropy of softmax(logits) per row, fp32: ``logsumexp(z) - sum_v softmax(z)_v z_v``."""
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        z = logits.float()
+        log_p = torch.log_softmax(z, dim=-1)
+        return -(log_p.exp() * log_p).sum(dim=-1)
 
 
-def request_mode(request: Any) -> str:
-    mode = getattr(request, "mode", None) or (getattr(request, "metadata", None) or {}).get("mode") or "auto"
-    mode = str(mode).lower()
-    if mode not in MODES:
-        raise ValueError(f"linear_logp provider mode must be one of {MODES}, got {mode!r}")
-    return mode
-
-
-def _kernels_runnable(device: torch.device) -> str | None:
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu" and INTERPRETED:
-        return None
-    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 set before import, on CPU); hidden states are on {device}"
-
-
-def _plan(request: Any) -> dict:
-    """The checked ``linear_logp`` call (``plan["call"]``) and what the result reports, or
-    ``_Unservable`` with the reason."""
-    if _get(request, "with_entropy", False) or _get(request, "with_entropy_grad", False):
-        raise _Unservable("entropy requested (with_entropy/with_entropy_grad); linear_logp computes log-probs only")
-    layout = _get(request, "token_layout", None)
-    if layout is not None:
-        kind = str(_get(layout, "layout", "single"))
-        if kind != "single":
-            raise _Unservable(f"token layout {kind!r} is not supported (only 'single')")
-    temperature = float(_get(request, "temperature", 1.0))
-    if not temperature > 0.0:
-        raise _Unservable(f"temperature <= 0 ({temperature})")
-    context = _get(request, "context")
-    hidden = _get(context, "hidden_states")
-    projection = _get(context, "projection")
-    weight = _get(projection, "weight", None)
-    if weight is None:
-        raise _Unservable("LM-head weight unavailable (projection.weight is None)")
-    bias = _get(projection, "bias", None)
-    partition = _get(context, "vocab_partition")
-    local_start = int(_get(partition, "local_start"))
-    local_size = int(_get(partition, "local_size"))
-    real_vocab = int(_get(partition, "real_vocab_size"))
-    padded_vocab = int(_get(partition, "padded_vocab_size"))
-    if not isinstance(hidden, torch.Tensor):
-        raise _Unservable(f"hidden states must be a torch.Tensor, got {type(hidden).__name__}")
-    if not isinstance(weight, torch.Tensor):
-        raise _Unservable(f"LM-head weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2 or weight.shape[0] != local_size:
-        raise _Unservable(
-            f"LM-head weight has shape {tuple(weight.shape)} but the vocab partition says local_size={local_size}"
-        )
-    ids = _get(request, "target_ids")
-    if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
-        raise _Unservable("target ids are empty")
-    ids = ids.reshape(-1)
-    if bool((ids >= real_vocab).any()):
-        raise _Unservable(f"target ids reach past the real vocab size {real_vocab}")
-    device_problem = _kernels_runnable(hidden.device)
-    if device_problem:
-        raise _Unservable(device_problem)
-    tp_group = _get(request, "tp_group", None)
-    sharded = local_size != padded_vocab
+def _call(request: Any) -> tuple[LinearLogpCall, dict]:
+    """The checked ``linear_logp`` call for ``request`` and what provenance reports, or unavailable."""
+    context = getattr(request, "context", None)
+    if context is None:
+        raise _unavailable("the request has no context (hidden states, LM head, vocab partition)")
+    if getattr(request, "log_prob_keep_mask", None) is not None:
+        raise _unavailable("log_prob_keep_mask given (top-p replay renormalizes over the kept tokens; "
+                           "the fused kernel normalizes over the whole vocab)")
+    hidden = context.hidden
+    projection, partition = context.projection, context.vocab_partition
+    ids = request.target_ids.reshape(-1)
+    temperature = _temperature(getattr(request, "temperature", None), int(ids.numel()))
+    tp_group = getattr(request, "tensor_parallel_group", None)
+    local_start, local_size = int(partition.local_start), int(partition.local_size)
+    real_size, padded_size = int(partition.real_size), int(partition.padded_size)
+    sharded = local_size != padded_size
     if sharded and tp_group is None:
-        raise _Unservable(f"vocab is sharded (local_size={local_size} of {padded_vocab}) but no TP group was given")
-    plan = {
-        "hidden": hidden.reshape(-1, hidden.shape[-1]),
-        "weight": weight,
-        "bias": bias,
-        "temperature": temperature,
-        "tp_group": tp_group if sharded else None,
-        "vocab_start": local_start if sharded else 0,
-    }
+        raise _unavailable(f"vocab is sharded (local_size={local_size} of padded_size={padded_size}) "
+                           "but the request has no tensor_parallel_group")
+    if request.with_entropy and (sharded or _tp_world(tp_group) > 1):
+        raise _unavailable("entropy over a vocab sharded across tensor-parallel ranks is not served")
+    if ids.numel() and bool((ids >= real_size).any()):
+        raise _unavailable(f"target ids reach past the real vocab size {real_size}")
     try:
-        plan["call"] = LinearLogpCall(
-            plan["hidden"], weight, ids, bias, temperature, tp_group=plan["tp_group"],
-            vocab_start=plan["vocab_start"], global_vocab=padded_vocab if sharded else None,
+        call = LinearLogpCall(
+            hidden, projection.weight, ids, projection.bias, temperature,
+            tp_group=tp_group if sharded else None, vocab_start=local_start if sharded else 0,
+            global_vocab=padded_size if sharded else None,
         )
     except (ValueError, TypeError) as exc:
-        raise _Unservable(f"invalid input: {exc}") from exc
-    return plan
-
-
-def _provenance(request: Any, plan: dict, backend_id: str) -> dict:
-    hidden = plan["hidden"]
-    import triton
-
-    return {
-        "op": "linear_logp",
-        "implementation": f"kernels.linear_logp on {backend_id} (fp32 accumulation)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "device": str(hidden.device),
-        "dtype": str(hidden.dtype).replace("torch.", ""),
-        "num_tokens": int(hidden.shape[0]),
-        "vocab_local": int(plan["weight"].shape[0]),
-        "vocab_start": plan["vocab_start"],
-        "vocab_parallel": plan["tp_group"] is not None,
-        "temperature": plan["temperature"],
-        "chunk_size_ignored": _get(request, "chunk_size", None),
-        "request_metadata": dict(_get(request, "metadata", None) or {}),
+        raise _unavailable(f"invalid input: {exc}") from exc
+    layout = getattr(request, "token_layout", None)
+    facts = {
+        "temperature": temperature,
+        "vocab_start": local_start,
+        "vocab_local": local_size,
+        "vocab_real": real_size,
+        "vocab_padded": padded_size,
+        "vocab_parallel": sharded,
+        "token_layout": getattr(layout, "layout", None),
+        "chunk_size_ignored": getattr(request, "chunk_size", None),
     }
+    return call, facts
 
 
-def provide(request: Any) -> LinearLogpResult | LinearLogpUnavailable:
-    """The provider callable. Returns a result, or (auto) the unavailable signal; strict raises."""
-    mode = request_mode(request)
-    try:
-        plan = _plan(request)
-    except _Unservable as exc:
-        if mode == "strict":
-            raise LinearLogpProviderUnavailable(f"RL-Kernel linear_logp is unavailable: {exc}") from None
-        return LinearLogpUnavailable(reason=str(exc))
-    call = plan["call"]
+def provide(request: Any) -> LinearLogpResult:
+    """The provider callable: a result for the fork's request, or ``LinearLogpProviderUnavailable``."""
+    call, facts = _call(request)
     backend, impl = dispatch.select("linear_logp", **call.case())  # the public op's dispatch
     backend_id = f"{backend.id}/{backend.version}"
-    logp = impl(call)
-    keep = _get(request, "keep_mask", None)
-    if keep is not None:
-        logp = torch.where(keep.reshape(-1).to(torch.bool), logp, torch.zeros_like(logp))
-    log_probs = logp.unsqueeze(-1)
-    if mode == "strict":
-        wants_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (plan["hidden"], plan["weight"], plan["bias"])
-        )
-        if wants_grad and log_probs.grad_fn is None:
-            raise LinearLogpProviderUnavailable("log-probs are not connected to autograd")
-    return LinearLogpResult(
-        log_probs=log_probs, backend_id=backend_id, contract_id=CONTRACT_ID,
-        provenance=_provenance(request, plan, backend_id),
-    )
+    logp = impl(call).unsqueeze(-1)
+    entropy = _entropy(request.logits, bool(request.with_entropy_grad)) if request.with_entropy else None
+    provenance = {
+        "op": "linear_logp",
+        "implementation": f"kernels.linear_logp on {backend_id} (fp32 accumulation)",
+        "entropy": "fp32 softmax of the request's logits" if request.with_entropy else None,
+        "torch": torch.__version__,
+        "device": str(call.hidden.device),
+        "dtype": str(call.hidden.dtype).replace("torch.", ""),
+        "num_tokens": int(call.hidden.shape[0]),
+        **facts,
+        "request_metadata": dict(getattr(request, "metadata", None) or {}),
+    }
+    return LinearLogpResult(logp=logp, entropy=entropy, backend_id=backend_id, contract_id=CONTRACT_ID,
+                            provenance=provenance)
 
 
 __all__ = [
     "BACKEND_ID",
-    "DOTTED_PATH",
     "CONTRACT_ID",
-    "LinearLogpContext",
+    "DOTTED_PATH",
     "LinearLogpProviderUnavailable",
-    "LinearLogpRequest",
     "LinearLogpResult",
-    "LinearLogpUnavailable",
-    "Projection",
-    "TokenLayout",
-    "VocabPartition",
     "provide",
-    "request_mode",
 ]

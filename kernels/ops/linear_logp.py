@@ -17,55 +17,57 @@ the global log-sum-exp. The gradient uses the global lse, so ``dW``/``db`` are t
 ``dH`` is all-reduced (SUM) over ``tp_group`` because the hidden states are replicated across the
 TP ranks (Megatron's ColumnParallelLinear input region does the same all-reduce in its backward).
 
-Forward: every (token tile, vocab tile) of the logits is a ``tl.dot`` over H (bf16/fp16 operands on
-tensor cores, fp32 accumulate; fp32 operands in full IEEE precision), bias and temperature applied
-in fp32; the tile's row max and sum-exp go to a small ``[n_vocab_tiles, T]`` fp32 buffer and the
-owning tile writes the target logit. The logits tile never leaves registers and is never rounded.
-A cross-tile merge (a few O(n_vocab_tiles * T) torch ops) gives the per-row lse, the only thing
-saved for backward. Tiles run token tile fastest, so the programs resident at one time share
-weight tiles in L2 and the weight is read from HBM about once.
+Matrix products (each 2*T*H*V flops): the forward's logits, and in the backward dH = dlogits @ W and
+dW = dlogits^T @ H, plus a recompute of the logits for every vocab column whose logits the forward
+did not keep. How many it keeps is set by the workspace budget (``workspace_bytes``, below): with a
+budget of the logits' size (T * V * 2 bytes for 16-bit inputs) plus ~2% it keeps them all and
+forward+backward is three products; at the default 256 MB it keeps ~15% of them (issue shape).
 
-Two implementations of the tile work, same math and results:
-  ``_tma_tiles_kernel`` (bf16/fp16 on Hopper+, the default there): persistent, one program per SM
-      looping over tiles; operands arrive through host-side TMA descriptors (zero-filled past the
-      ends), the tile and K loops are flattened into one software pipeline so the next tile's loads
-      overlap this tile's epilogue. 128 x 256 x 64 tiles, 8 warps, 3 stages.
-  ``_fwd_tile_kernel`` / ``_dlogits_kernel``: one program per tile, pointer loads. fp32 inputs, the
-      CPU interpreter, pre-Hopper GPUs, unaligned operands and ``RLK_LINEAR_LOGP_TMA=0``.
+Forward (``_tma_tiles_kernel`` on Hopper+, bf16/fp16): a persistent kernel (one program per SM)
+loops over (token tile, vocab tile) pairs, token tile fastest, operands through host-side TMA
+descriptors; each tile is a ``tl.dot`` over H with fp32 accumulation, scaled to base-2 units
+(z * log2(e)) in one multiply-add that also applies the bias and -inf past the vocab's end. The
+tile's row max and sum of exp2(z - max) go to a ``[n_vocab_tiles, T]`` fp32 buffer; for the tiles
+of the kept columns it also stores q = exp(z - tile row max) (in (0, 1]; fp16 for 16-bit inputs,
+three mantissa bits more than bf16) through a TMA store. The fp32 logits tile never leaves
+registers. The tile that holds a row's target writes its logit (the compare/select runs only in
+tiles that hold some row's target): taken from the same z as the lse, a dominant target's rounding
+cancels in logp = z_t - lse (the tensor cores add the bf16 products into fp32 with their own
+rounding, ~5e-6 of |z| at H = 4096; an IEEE fp32 dot product of the target row would not cancel it).
+``_merge_partials_kernel`` folds the partials into the row lse.
 
-Saved first chunk: when a backward will follow (grad enabled and an input requires grad), the forward
-allocates the backward's chunk buffer and, for the tiles of the first chunk's columns, also writes
-q = exp(z - tile row max) there (the value its sum-exp already computed; a TMA store). The backward
-turns q into that chunk's dlogits in place (``_saved_dlogits_kernel``: p = q * exp(tile max - lse);
-the target column's p from the fp32 target logit) instead of recomputing the chunk: one chunk's
-GEMM fewer (1/9 of a product at the issue's shape), no extra workspace (the buffer is the one the
-backward needs anyway; it is allocated in the forward instead), and q is rounded to the input dtype
-once more than a recomputed dlogits (relative 2^-9 in bf16, the same order as dlogits' own rounding).
-``RLK_LINEAR_LOGP_SAVE_CHUNK=0`` recomputes every chunk; a second backward over the same graph does.
+Backward: the kept columns [0, saved) first: ``_saved_dlogits_kernel`` turns q into dlogits in place
+(p = q * exp(tile max - lse); dlogits = g * (onehot - p) / temperature, rounded once to the input
+dtype; the target column's p from the fp32 target logit), then cuBLAS dH (+)= dlogits @ W[:saved]
+and dW[:saved] = dlogits^T @ H over the whole kept block at once. The other columns follow in even
+chunks that reuse the same buffer: the tile kernel recomputes each logits tile (the forward's fp32
+math) and writes dlogits = -g * p / temperature (``_target_column_kernel`` then writes the target
+column's g * (1 - p) / temperature), then the same two cuBLAS products. dH accumulates in an fp32
+[T, H] buffer (``torch.addmm(..., out_dtype=torch.float32)``: a chunk's product is never rounded
+before the sum) unless one product covers the whole vocab (everything kept, no TP): then dH is one
+cuBLAS product with fp32 accumulation straight into the returned dtype. dW is one product per
+chunk (fp32 accumulation over all T, stored once). ``RLK_LINEAR_LOGP_BWD_MATMUL=triton`` runs dH/dW
+in our ``_matmul_kernel`` instead.
 
-Backward, per vocab chunk of at most ``BACKWARD_WORKSPACE_BYTES`` (132 MiB) of dlogits, the chunk
-columns spread evenly over the fewest chunks:
-    dlogits kernel        recomputes the logits tile (same fp32 math as the forward) and writes
-                          dlogits = g * (onehot - exp(z - lse)) / temperature into the chunk buffer
-                          (input dtype: bf16/fp16 operands for the tensor-core matmuls; fp32 for fp32)
-    cuBLAS addmm          dH32 += dlogits_chunk @ W_chunk (fp32 output: no bf16 rounding per chunk)
-    cuBLAS mm             dW_chunk = dlogits_chunk^T @ H  (fp32 accumulate over all T, one store)
-    db_chunk = dlogits_chunk.sum(0) in fp32.
-(``RLK_LINEAR_LOGP_BWD_MATMUL=triton`` runs dH/dW in our ``_matmul_kernel`` instead.)
-Workspace beyond inputs and returned gradients: the chunk buffer (<= 132 MiB; from the forward on
-when it saves the first chunk), dH32 (T*H*4 bytes, 67 MB at 4096 x 4096), db32, the saved chunk's
-tile maxima (1.1 MB), and in the forward the partials (2 * n_vocab_tiles * T * 4 bytes, 19.5 MB at
-T = 4096, V = 151936, bf16; freed before the backward): ``workspace_bytes`` adds them all up, 227 MB
-(bf16) / 246 MB (fp32) at the issue's shape, inside the 256 MB budget (a test checks it).
+Workspace (``workspace_bytes``: the most the op holds beyond its inputs, its output and the
+gradients it returns, from the forward through the backward; ``planned_workspace_bytes`` computes
+what a budget gives): the [T, buffer_cols] buffer (kept logits, then the recompute chunk), the fp32
+dH accumulator (T*H*4), the kept tiles' row maxima, the forward's partials (2 * n_vocab_tiles * T * 4)
+and O(T + V) vectors. The default, 256 MB, is raised only where the shape needs more for chunks of
+4096 columns (a [T, H] fp32 accumulator alone can exceed it); an explicit budget below what one
+vocab tile of chunk needs is an error naming the minimum.
 
-GPU tuning knobs (environment, read at each call; defaults are the configs below):
+The pointer kernels ``_fwd_tile_kernel`` / ``_dlogits_kernel`` (one program per tile, same math in
+natural-log units) serve fp32 inputs, the CPU interpreter, pre-Hopper GPUs, unaligned operands and
+``RLK_LINEAR_LOGP_TMA=0``.
+
+GPU tuning knobs (settings, kernels/settings.py, read at each call; defaults are the configs below):
 ``RLK_LINEAR_LOGP_TILES`` / ``RLK_LINEAR_LOGP_MATMUL_TILES`` = "BLOCK_T,BLOCK_V,BLOCK_K,warps,stages"
 for the logits-tile kernels (TMA or pointer) / our backward matmul; ``RLK_LINEAR_LOGP_TMA=0`` uses
 the pointer kernels on Hopper too; ``RLK_LINEAR_LOGP_BWD_MATMUL=triton|torch`` picks the backward's
-dH/dW matmuls (default ``torch``, see ``_bwd_matmul``); ``RLK_LINEAR_LOGP_GROUP_T=N`` (token tiles
-per group in the TMA kernel's tile order) is an alternative that measured no faster on an H100 (as
-did a [chunk, T] dlogits layout, removed: docs/linear_logp.md); ``RLK_LINEAR_LOGP_SAVE_CHUNK=0|1``
-turns the saved first chunk off / on (default on).
+dH/dW matmuls (default ``torch``); ``RLK_LINEAR_LOGP_GROUP_T=N`` (token tiles per group in the TMA
+kernel's tile order); ``RLK_LINEAR_LOGP_SAVE_LOGITS=0`` keeps nothing in the forward (the backward
+recomputes every column; the budget then sizes the recompute chunk only).
 """
 
 from __future__ import annotations
@@ -84,12 +86,25 @@ except ImportError:  # pragma: no cover - older Triton
 
 from kernels import settings
 from kernels.contracts import IGNORE_INDEX, LinearLogpCall, entry_point
+from kernels.contracts.linear_logp import check_workspace_bytes
 from kernels.ops import INTERPRETED  # fixed at first import, like triton.jit's choice
 
-# Bytes of dlogits held at once in backward; the vocab chunk is sized from it.
-# 132 MiB: at T = 4096, V = 151936 (bf16) nine chunks of 16896 columns, 66 vocab tiles x 32 token
-# tiles = 16 full waves of 132 SMs each, and GEMM shapes cuBLAS runs near its best.
-BACKWARD_WORKSPACE_BYTES = 132 * 1024 * 1024
+# The workspace budget: ``workspace_bytes`` (the call's argument), else the setting
+# RLK_LINEAR_LOGP_WORKSPACE_BYTES (kernels/settings.py), else this default.
+DEFAULT_WORKSPACE_BYTES = 256 * 10**6
+WORKSPACE_ENV = settings.LINEAR_LOGP_WORKSPACE_BYTES.name
+# The default budget never makes recompute chunks thinner than this many columns (cuBLAS and the tile
+# kernel lose speed on thin chunks); an explicit budget is honoured down to one vocab tile.
+MIN_DEFAULT_CHUNK_COLS = 4096
+
+
+def _workspace_budget(workspace_bytes: int | None) -> tuple[int, bool]:
+    """(budget in bytes, whether the caller chose it): the argument, else the setting, else the default."""
+    if workspace_bytes is not None:
+        return check_workspace_bytes(workspace_bytes), True
+    budget = settings.LINEAR_LOGP_WORKSPACE_BYTES.get()
+    return (DEFAULT_WORKSPACE_BYTES, False) if budget is None else (budget, True)
+
 
 # Tile sizes and launch options; RLK_LINEAR_LOGP_TILES / RLK_LINEAR_LOGP_MATMUL_TILES override the
 # built-in ones on compiled kernels (the interpreter keeps its small tiles).
@@ -101,9 +116,9 @@ BWD_MATMUL_ENV = settings.LINEAR_LOGP_BWD_MATMUL.name
 
 def _bwd_matmul() -> str:
     """Which matmuls the backward uses for dH and dW (read at each backward; GPU tuning knob):
-    ``torch`` (default): cuBLAS. dW_chunk = dlogits_chunk^T @ H accumulates over all T in fp32
-    inside one GEMM; dH32 += dlogits_chunk @ W_chunk is one ``addmm`` with an fp32 output
-    (``out_dtype=torch.float32``), so the chunk's product is never rounded to bf16 before the sum.
+    ``torch`` (default): cuBLAS. dW = dlogits^T @ H accumulates over all T in fp32 inside one GEMM;
+    dH32 += dlogits @ W is one ``addmm`` with an fp32 output (``out_dtype=torch.float32``), so a
+    chunk's product is never rounded to bf16 before the sum.
     ``triton``: our pointer-based matmul kernel, the same fp32 accumulation (slower on H100)."""
     return settings.LINEAR_LOGP_BWD_MATMUL.get()
 
@@ -119,7 +134,8 @@ def _tile_config(dtype: torch.dtype, interpreted: bool = INTERPRETED) -> _TileCo
         return override
     if dtype == torch.float32:
         return _TileConfig(block_t=64, block_v=128, block_k=32, num_warps=8, num_stages=3)
-    # H100/H200 bf16/fp16: 128 x 256 fp32 accumulator over 8 warps, 3-stage K pipeline (144 KiB smem).
+    # H100/H200 bf16/fp16: 128 x 256 fp32 accumulator over 8 warps, 3-stage K pipeline (144 KiB smem,
+    # + 64 KiB for the TMA store of the kept logits).
     return _TileConfig(block_t=128, block_v=256, block_k=64, num_warps=8, num_stages=3)
 
 
@@ -147,14 +163,20 @@ def _upcast_operands(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 
 
-SAVE_CHUNK_ENV = settings.LINEAR_LOGP_SAVE_CHUNK.name  # "0": the backward recomputes every chunk
+def _saved_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the kept q = exp(z - tile max) in (0, 1]: fp16 for 16-bit inputs (10 mantissa bits
+    against bf16's 7, same bytes; values under 6e-8 lose relative precision, never more than 6e-8
+    absolute), fp32 for fp32 inputs."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
 
 
-def _save_chunk() -> bool:
-    """Whether the forward, when a backward will follow, keeps the first backward chunk's
-    exp(z - tile max) in the backward's chunk buffer (no extra workspace: the buffer exists in the
-    backward anyway), so the backward recomputes one chunk fewer (default on)."""
-    return settings.LINEAR_LOGP_SAVE_CHUNK.get()
+SAVE_LOGITS_ENV = settings.LINEAR_LOGP_SAVE_LOGITS.name  # "0": the forward keeps nothing
+
+
+def _save_logits() -> bool:
+    """Whether the forward, when a backward will follow, keeps the logits (as q) the budget has room
+    for, so the backward recomputes only the rest (default on)."""
+    return settings.LINEAR_LOGP_SAVE_LOGITS.get()
 
 
 TMA_ENV = settings.LINEAR_LOGP_TMA.name
@@ -163,14 +185,15 @@ TMA_ENV = settings.LINEAR_LOGP_TMA.name
 # Triton's automatic warp specialization 7.7 ms (kept off); num_ctas=2 does not compile.
 TMA_FLATTEN = True
 TMA_WARP_SPECIALIZE = False
-# Stores of the saved-chunk tiles (forward) / the dlogits tiles (backward): TMA (through a
-# descriptor) or masked pointer stores. Measured on an H100 (bf16, issue shape): the forward that
-# saves the chunk 7.12 ms with TMA stores vs 7.54 ms with pointer stores; the dlogits chunk kernel
-# no faster with TMA stores (0.85 vs 0.83 ms; forward+backward 30.5 vs 29.8 ms interleaved).
+# Stores of the kept logits (forward) / the dlogits tiles (backward): TMA (through a descriptor) or
+# masked pointer stores. Measured on an H100 (bf16, issue shape): the forward that keeps a chunk
+# 7.12 ms with TMA stores vs 7.54 ms with pointer stores. The dlogits tile's pointer stores take a
+# 64-bit address per element: with the one-FMA epilogue ptxas reports 1240 bytes of spills for them
+# and none for the TMA store (6008 vs 1520 SASS instructions in the kernel, Triton 3.6, sm_90a).
 TMA_STORE_Q = True
-TMA_STORE_DLOGITS = False
-# Token tiles per group in the tile order (>= n_t: token tile fastest over all T, the default; 8 and
-# 4 measured no faster). RLK_LINEAR_LOGP_GROUP_T overrides it.
+TMA_STORE_DLOGITS = True
+# Token tiles per group in the tile order (>= n_t: token tile fastest over all T, the default).
+# RLK_LINEAR_LOGP_GROUP_T overrides it.
 TMA_GROUP_T = 1 << 30
 # Tests run the TMA kernel through the CPU interpreter by setting this (host descriptors work there).
 TMA_IN_INTERPRETER = False
@@ -203,8 +226,82 @@ def _num_programs(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# The plan: which vocab columns the forward keeps, the buffer, the dH accumulator
+# ----------------------------------------------------------------------------------------------
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _even_chunks(start: int, stop: int, max_cols: int, block_v: int) -> list[tuple[int, int]]:
+    """[start, stop) as (start, cols) in the fewest chunks of at most ``max_cols`` columns, spread
+    evenly (widths a multiple of block_v), so no chunk is a thin leftover."""
+    total = stop - start
+    if total <= 0:
+        return []
+    n = -(-total // max_cols)
+    width = min(max_cols, _round_up(-(-total // n), block_v))
+    return [(s, min(width, stop - s)) for s in range(start, stop, width)]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How forward+backward use the workspace budget (see the module docstring)."""
+    saved_cols: int  # vocab columns [0, saved_cols) whose q the forward keeps when a backward follows
+    buffer_cols: int  # row length of the [T, buffer_cols] buffer: kept q, then the recompute chunks
+    dh32: bool  # dH accumulates in fp32 [T, H] (several products, or a TP all-reduce)
+    workspace: int  # bytes the plan holds at most
+    budget: int
+
+
+def _workspace(T: int, H: int, V: int, element: int, block_v: int, saved: int, buffer_cols: int, dh32: bool) -> int:
+    vectors = 16 * T * 4 + 2 * V * 4  # per-row vectors, ids, the fp32 bias gradient
+    buffer = T * buffer_cols * element
+    forward = (buffer if saved else 0) + 2 * triton.cdiv(V, block_v) * T * 4 + vectors  # + tile partials
+    backward = buffer + triton.cdiv(saved, block_v) * T * 4 + (T * H * 4 if dh32 else 0) + vectors
+    return max(forward, backward)
+
+
+def _plan(T: int, H: int, V: int, dtype: torch.dtype, budget: int, *, explicit: bool, save: bool, tp: bool,
+          interpreted: bool = INTERPRETED) -> _Plan:
+    """The fastest use of ``budget`` bytes: keep every column (three products, dH in one product)
+    if it fits, else keep as many columns as the buffer holds and recompute the rest in chunks of
+    the buffer's size."""
+    block_v = _tile_config(dtype, interpreted).block_v
+    element = torch.empty((), dtype=dtype).element_size()
+
+    def cost(saved: int, cols: int, dh32: bool) -> int:
+        return _workspace(T, H, V, element, block_v, saved, cols, dh32)
+
+    if save:
+        full_cols = _round_up(V, 16 // element)  # 16-byte rows for the TMA store
+        if cost(V, full_cols, tp) <= budget:
+            return _Plan(V, full_cols, tp, cost(V, full_cols, tp), budget)
+    widest = _round_up(V, block_v)
+    cols = min(widest, max(0, budget - cost(0, 0, True)) // (T * element) // block_v * block_v)
+    while cols >= block_v and cost(min(cols, V) if save else 0, cols, True) > budget:
+        cols -= block_v
+    if cols < block_v and explicit:
+        need = cost(min(block_v, V) if save else 0, block_v, True)
+        raise ValueError(
+            f"workspace_bytes={budget} is below the {need} bytes linear_logp needs at T={T}, H={H}, "
+            f"V_local={V} ({dtype}): an fp32 [T, H] dH accumulator and a chunk of {block_v} vocab columns")
+    if not explicit:  # the default budget: never chunks thinner than MIN_DEFAULT_CHUNK_COLS
+        cols = max(cols, min(widest, MIN_DEFAULT_CHUNK_COLS))
+    if not save:
+        cols = _round_up(_even_chunks(0, V, cols, block_v)[0][1], 16 // element)
+    saved = min(cols, V) if save else 0
+    dh32 = tp or cols < V  # one product over the whole vocab needs no fp32 accumulator
+    return _Plan(saved, cols, dh32, cost(saved, cols, dh32), budget)
+
+
+# ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -254,50 +351,52 @@ def _logits_tile(
 
 @triton.jit
 def _fwd_tile_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr,
-    tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, q_ptr,
-    T, V_local, H, q_cols,
+    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr, tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, q_ptr,
+    T, H, col_start, n_cols,
     stride_ht, stride_wv, stride_qt, inv_temperature,
     HAS_BIAS: tl.constexpr, STORE_Q: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
 ):
+    """``_tma_tiles_kernel``'s forward over columns [col_start, col_start + n_cols), one program per
+    tile, pointer loads, natural-log units."""
     pid_t = tl.program_id(0)  # token tile fastest: co-resident programs share weight tiles in L2
     pid_v = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = col_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_t = offs_t < T
+    end = col_start + n_cols
     z = _logits_tile(
-        hidden_ptr, weight_ptr, bias_ptr, offs_t, offs_v, T, V_local, H, stride_ht, stride_wv,
+        hidden_ptr, weight_ptr, bias_ptr, offs_t, offs_v, T, end, H, stride_ht, stride_wv,
         inv_temperature, HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_K, INPUT_PRECISION, UPCAST, EVEN_K,
     )
     # Every vocab tile holds at least one real column, so the row max is finite.
     row_max = tl.max(z, axis=1)
     e = tl.exp(z - row_max[:, None])
     row_sumexp = tl.sum(e, axis=1)
-    tl.store(tile_max_ptr + pid_v * T + offs_t, row_max, mask=mask_t)
-    tl.store(tile_sumexp_ptr + pid_v * T + offs_t, row_sumexp, mask=mask_t)
-    if STORE_Q:  # the saved first chunk (see _tma_tiles_kernel)
-        if pid_v * BLOCK_V < q_cols:
-            q_ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_v[None, :]
-            tl.store(q_ptrs, e.to(q_ptr.dtype.element_ty), mask=mask_t[:, None] & (offs_v < q_cols)[None, :])
+    tile_row = col_start // BLOCK_V + pid_v
+    tl.store(tile_max_ptr + tile_row * T + offs_t, row_max, mask=mask_t)
+    tl.store(tile_sumexp_ptr + tile_row * T + offs_t, row_sumexp, mask=mask_t)
     # Local id of the target (out of range on other shards / ignored rows): only the owner stores.
     local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
-    is_target = offs_v[None, :] == local_id[:, None]
-    target = tl.sum(tl.where(is_target, z, 0.0), axis=1)
-    owns = mask_t & (local_id >= pid_v * BLOCK_V) & (local_id < pid_v * BLOCK_V + BLOCK_V) & (local_id < V_local)
+    target = tl.sum(tl.where(offs_v[None, :] == local_id[:, None], z, 0.0), axis=1)
+    owns = mask_t & (local_id >= col_start + pid_v * BLOCK_V) & (local_id < col_start + pid_v * BLOCK_V + BLOCK_V) & (local_id < end)
     tl.store(target_logit_ptr + offs_t, target, mask=owns)
+    if STORE_Q:
+        q_ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_v[None, :]
+        tl.store(q_ptrs, e.to(q_ptr.dtype.element_ty), mask=mask_t[:, None] & (offs_v < end)[None, :])
 
 
 @triton.jit
 def _dlogits_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr, lse_ptr, grad_ptr, dlogits_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, lse_ptr, coef_ptr, dlogits_ptr,
     T, V_local, H, chunk_start, chunk_cols,
     stride_ht, stride_wv, stride_dt, inv_temperature,
     HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """dlogits[t, c] = g[t] * (1[chunk_start + c == id_t] - softmax) / temperature, c < chunk_cols."""
+    """dlogits[t, c] = coef[t] * softmax(z)[t, chunk_start + c], c < chunk_cols; coef = -g / temperature.
+    (The target column is rewritten by ``_target_column_kernel``.)"""
     pid_t = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -309,11 +408,8 @@ def _dlogits_kernel(
         inv_temperature, HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_K, INPUT_PRECISION, UPCAST, EVEN_K,
     )
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
-    g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)  # 0 on ignored rows (set by the wrapper)
-    local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
-    prob = tl.exp(z - lse[:, None])  # exp(-inf) = 0 past V_local
-    onehot = (offs_v[None, :] == local_id[:, None]).to(tl.float32)
-    dlogits = (g * inv_temperature)[:, None] * (onehot - prob)
+    coef = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)  # 0 on ignored rows
+    dlogits = tl.exp(z - lse[:, None]) * coef[:, None]  # exp(-inf) = 0 past V_local
     out_ptrs = dlogits_ptr + offs_t.to(tl.int64)[:, None] * stride_dt + offs_c[None, :]
     tl.store(out_ptrs, dlogits.to(dlogits_ptr.dtype.element_ty),
              mask=mask_t[:, None] & (offs_c[None, :] < chunk_cols))
@@ -321,9 +417,9 @@ def _dlogits_kernel(
 
 @triton.jit
 def _tma_tiles_kernel(
-    h_desc, w_desc, out_desc, bias_ptr, local_ids_ptr, lse_ptr, grad_ptr,
+    h_desc, w_desc, out_desc, bias_ptr, local_ids_ptr, lse_ptr, coef_ptr,
     tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, out_ptr,
-    T, V_local, H, col_start, n_cols, q_cols, stride_ot, inv_temperature, group_t,
+    T, H, col_start, n_cols, stride_ot, scale2, group_t,
     DLOGITS: tl.constexpr, STORE_Q: tl.constexpr, TMA_STORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -331,15 +427,18 @@ def _tma_tiles_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Persistent (one program per SM) logits tiles over columns [col_start, col_start + n_cols),
-    operands fed by TMA descriptors (out-of-range rows/columns arrive as zeros).
+    operands fed by TMA descriptors (out-of-range rows/columns arrive as zeros). The epilogue works
+    in base-2 units: z2 = acc * scale2 (+ bias * scale2), scale2 = log2(e) / temperature.
 
-    DLOGITS = False (forward, col_start = 0, n_cols = V_local): per-tile row max / sum-exp partials
-    and the target logit, as ``_fwd_tile_kernel``; with STORE_Q also, for the tiles of the first
-    ``q_cols`` columns, ``exp(z - tile row max)`` into ``out`` ([T, >= q_cols], the backward's first
-    chunk, saved so that the backward need not recompute it). DLOGITS = True (backward): the dlogits
-    tile of ``_dlogits_kernel`` into ``out``, the chunk buffer (column c = vocab column col_start + c).
-    The tile goes to ``out`` through ``out_desc`` (TMA_STORE: a TMA store, clipped at the
-    descriptor's [T, columns] shape) or through masked pointer stores.
+    DLOGITS = False (forward): per-tile row max (natural units) and sum of exp2(z2 - max2) into rows
+    col_start / BLOCK_V + pid_v of the [n_vocab_tiles, T] partials, the target logit where the tile
+    holds it (``local_ids`` - col_start: column; rows of other shards / ignored rows: none); with STORE_Q also every tile's
+    q = exp(z - tile row max) into ``out`` (the kept block, column c = vocab column c; a launch
+    stores all its tiles or none: a branch on the tile in the flattened loop does not compile in
+    Triton 3.6, so the forward runs the kept columns and the rest as two launches). DLOGITS = True
+    (backward): coef[t] * exp(z - lse[t]) into ``out``, the chunk buffer (column c = vocab column
+    col_start + c). ``out`` is written through ``out_desc`` (TMA_STORE: a TMA store, clipped at
+    the descriptor's [T, columns] shape) or through masked pointer stores.
     Tile order: groups of group_t (<= n_t) token tiles sweep the vocab tiles, token tile fastest, so the
     programs resident together share weight tiles (and the group's hidden rows) in L2."""
     n_t = tl.cdiv(T, BLOCK_T)
@@ -361,71 +460,119 @@ def _tma_tiles_kernel(
             acc = _dot(h, w.T, acc, INPUT_PRECISION, UPCAST)
         offs_t = off_t + tl.arange(0, BLOCK_T)
         offs_c = off_c + tl.arange(0, BLOCK_V)
-        offs_v = col_start + offs_c
         mask_t = offs_t < T
         mask_c = offs_c < n_cols
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs_v, mask=mask_c, other=0.0).to(tl.float32)
-            acc = acc + b[None, :]
-        z = tl.where(mask_c[None, :], acc * inv_temperature, float("-inf"))
-        local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
         if DLOGITS:
-            lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
-            g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)
-            prob = tl.exp(z - lse[:, None])
-            onehot = (offs_v[None, :] == local_id[:, None]).to(tl.float32)
-            dlogits = ((g * inv_temperature)[:, None] * (onehot - prob)).to(out_ptr.dtype.element_ty)
+            # Columns past the chunk are computed but never stored: no -inf needed.
+            lse2 = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0) * LOG2E
+            coef = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)
+            x2 = acc * scale2 - lse2[:, None]
+            if HAS_BIAS:
+                x2 += (tl.load(bias_ptr + col_start + offs_c, mask=mask_c, other=0.0).to(tl.float32) * scale2)[None, :]
+            dlogits = (tl.exp2(x2) * coef[:, None]).to(out_ptr.dtype.element_ty)
             if TMA_STORE:
                 out_desc.store([off_t, off_c], dlogits)
             else:
                 out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_c[None, :]
                 tl.store(out_ptrs, dlogits, mask=mask_t[:, None] & mask_c[None, :])
         else:
-            row_max = tl.max(z, axis=1)
-            e = tl.exp(z - row_max[:, None])
+            # One multiply-add per element: scale, bias, and -inf past the vocab's end.
+            if HAS_BIAS:
+                col2 = tl.load(bias_ptr + col_start + offs_c, mask=mask_c, other=0.0).to(tl.float32) * scale2
+                col2 = tl.where(mask_c, col2, float("-inf"))
+            else:
+                col2 = tl.where(mask_c, 0.0, float("-inf"))
+            z2 = acc * scale2 + col2[None, :]
+            row_max2 = tl.max(z2, axis=1)  # finite: every tile holds a real column
+            # The target logit from this tile's own z, so that a dominant target's logit and the
+            # lse share its rounding (logp = t - lse cancels exactly there); the select runs only
+            # in the tiles that hold some row's target (~1 in 5 at 128 x 256 tiles).
+            target_col = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1) - (col_start + off_c)
+            owns = mask_t & (target_col >= 0) & (target_col < BLOCK_V) & (target_col < n_cols - off_c)
+            if tl.max(owns.to(tl.int32), axis=0) > 0:
+                target2 = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == target_col[:, None], z2, 0.0), axis=1)
+                tl.store(target_logit_ptr + offs_t, target2 * LN2, mask=owns)
+            e = tl.exp2(z2 - row_max2[:, None])
             row_sumexp = tl.sum(e, axis=1)
-            tl.store(tile_max_ptr + pid_v * T + offs_t, row_max, mask=mask_t)
-            tl.store(tile_sumexp_ptr + pid_v * T + offs_t, row_sumexp, mask=mask_t)
             if STORE_Q:
-                if off_c < q_cols:
-                    q = e.to(out_ptr.dtype.element_ty)
-                    if TMA_STORE:
-                        out_desc.store([off_t, off_c], q)
-                    else:
-                        q_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_c[None, :]
-                        tl.store(q_ptrs, q, mask=mask_t[:, None] & (offs_c < q_cols)[None, :])
-            owns = mask_t & (local_id >= off_c) & (local_id < off_c + BLOCK_V) & (local_id < n_cols)
-            target = tl.sum(tl.where(offs_v[None, :] == local_id[:, None], z, 0.0), axis=1)
-            tl.store(target_logit_ptr + offs_t, target, mask=owns)
+                q = e.to(out_ptr.dtype.element_ty)
+                if TMA_STORE:
+                    out_desc.store([off_t, col_start + off_c], q)
+                else:
+                    q_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + (col_start + offs_c)[None, :]
+                    tl.store(q_ptrs, q, mask=mask_t[:, None] & mask_c[None, :])
+            tile_row = col_start // BLOCK_V + pid_v
+            tl.store(tile_max_ptr + tile_row * T + offs_t, row_max2 * LN2, mask=mask_t)
+            tl.store(tile_sumexp_ptr + tile_row * T + offs_t, row_sumexp, mask=mask_t)
+
+
+@triton.jit
+def _merge_partials_kernel(
+    tile_max_ptr, tile_sumexp_ptr, row_max_ptr, sumexp_ptr, T, n_tiles,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Row max and sum-exp (relative to it) over the [n_tiles, T] tile partials, one online pass."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, n_tiles, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask = (offs_n < n_tiles)[:, None] & mask_t[None, :]
+        offs = offs_n.to(tl.int64)[:, None] * T + offs_t[None, :]
+        tile_m = tl.load(tile_max_ptr + offs, mask=mask, other=float("-inf"))
+        tile_m = tl.where(mask_t[None, :], tile_m, 0.0)  # rows past T: finite, never stored
+        tile_s = tl.load(tile_sumexp_ptr + offs, mask=mask, other=0.0)
+        new_m = tl.maximum(m, tl.max(tile_m, axis=0))
+        s = s * tl.exp(m - new_m) + tl.sum(tile_s * tl.exp(tile_m - new_m[None, :]), axis=0)
+        m = new_m
+    tl.store(row_max_ptr + offs_t, m, mask=mask_t)
+    tl.store(sumexp_ptr + offs_t, s, mask=mask_t)
+
+
+@triton.jit
+def _target_column_kernel(
+    dlogits_ptr, local_ids_ptr, target_logit_ptr, lse_ptr, coef_ptr,
+    T, col_start, n_cols, stride_dt, BLOCK_T: tl.constexpr,
+):
+    """In a recomputed chunk: the target column's dlogits = -coef * (1 - p_target), p_target from the
+    fp32 target logit (the tile wrote coef * p there)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    col = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1) - col_start
+    hit = mask_t & (col >= 0) & (col < n_cols)
+    p = tl.exp(tl.load(target_logit_ptr + offs_t, mask=hit, other=0.0) - tl.load(lse_ptr + offs_t, mask=hit, other=0.0))
+    d = -tl.load(coef_ptr + offs_t, mask=hit, other=0.0) * (1.0 - p)
+    ptrs = dlogits_ptr + offs_t.to(tl.int64) * stride_dt + tl.where(hit, col, 0)
+    tl.store(ptrs, d.to(dlogits_ptr.dtype.element_ty), mask=hit)
 
 
 @triton.jit
 def _saved_dlogits_kernel(
-    q_ptr, tile_max_ptr, lse_ptr, grad_ptr, target_logit_ptr, local_ids_ptr,
-    T, n_cols, stride_qt, inv_temperature,
+    q_ptr, d_ptr, tile_max_ptr, lse_ptr, coef_ptr, target_logit_ptr, local_ids_ptr,
+    T, n_cols, stride_t,
     TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """In place: the forward's saved q = exp(z - m_tile) (columns [0, n_cols)) becomes dlogits
-    = g * (onehot - q * exp(m_tile - lse)) / temperature; in the target column the probability is
-    exp(target_logit - lse), from the fp32 target logit (exact, no rounded q). BLOCK_C divides TILE_V,
-    so one block of columns shares one forward tile (one m_tile per row)."""
+    """In place over the kept block: q = exp(z - m_tile) (``q_ptr``) becomes dlogits (``d_ptr``, the
+    same memory in the input dtype) = coef * p, p = q * exp(m_tile - lse), coef = -g / temperature;
+    in the target column -coef * (1 - p) with p = exp(target_logit - lse) from the fp32 target logit.
+    BLOCK_C divides TILE_V, so one block of columns shares one forward tile (one m_tile per row)."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_t = offs_t < T
     mask = mask_t[:, None] & (offs_c < n_cols)[None, :]
-    ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_c[None, :]
-    q = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    offs = offs_t.to(tl.int64)[:, None] * stride_t + offs_c[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m_tile = tl.load(tile_max_ptr + ((pid_c * BLOCK_C) // TILE_V) * T + offs_t, mask=mask_t, other=0.0)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
-    g = tl.load(grad_ptr + offs_t, mask=mask_t, other=0.0)
+    coef = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)
     p_target = tl.exp(tl.load(target_logit_ptr + offs_t, mask=mask_t, other=0.0) - lse)
     local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
     is_target = offs_c[None, :] == local_id[:, None]
-    prob = q * tl.exp(m_tile - lse)[:, None]
-    d = tl.where(is_target, (1.0 - p_target)[:, None], -prob) * (g * inv_temperature)[:, None]
-    tl.store(ptrs, d.to(q_ptr.dtype.element_ty), mask=mask)
+    d = tl.where(is_target, -(1.0 - p_target)[:, None], q * tl.exp(m_tile - lse)[:, None]) * coef[:, None]
+    tl.store(d_ptr + offs, d.to(d_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -504,34 +651,39 @@ def _local_ids(target_ids: torch.Tensor, vocab_start: int) -> torch.Tensor:
     return local.to(torch.int32).contiguous()
 
 
-def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start, n_cols, forward_out=None,
-                  dlogits=None, lse=None, grad_rows=None, saved_q=None, q_cols=0):
-    """Runs the logits-tile work over columns [col_start, col_start + n_cols): the forward partials
-    (``forward_out`` = (tile_max, tile_sumexp, target_logit)), with ``saved_q`` ([T, >= q_cols]) also
-    the first ``q_cols`` columns' exp(z - tile row max), or the dlogits chunk (``dlogits``, [T, chunk])."""
+def _row_grid(T: int) -> tuple[int, int]:
+    """(rows per program, grid) of the O(T) row kernels."""
+    block_t = 16 if INTERPRETED else 32
+    return block_t, triton.cdiv(T, block_t)
+
+
+def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start, n_cols, partials=None, q=None,
+                  dlogits=None, lse=None, coef=None):
+    """Runs the logits-tile work over columns [col_start, col_start + n_cols) (col_start a multiple of
+    the tile's BLOCK_V): the forward partials (``partials`` = (tile_max, tile_sumexp, target_logit)), with ``q``
+    ([T, >= col_start + n_cols], the kept block) also every column's exp(z - tile row max); or the
+    chunk's coef * softmax (``dlogits``, [T, >= n_cols])."""
     T, H = hidden.shape
-    V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
     has_bias = bias is not None
     bias_arg = bias if has_bias else hidden
-    store_q = saved_q is not None and q_cols > 0
+    store_q = q is not None
     precision, upcast = _input_precision(hidden.dtype), _upcast_operands(hidden.dtype)
+    is_dlogits = dlogits is not None
+    tile_max, tile_sumexp, target_logit = partials if partials is not None else (hidden, hidden, None)
     if _use_tma(hidden, weight):
-        tile_max, tile_sumexp, target_logit = forward_out if forward_out is not None else (hidden,) * 3
-        is_dlogits = dlogits is not None
-        out = dlogits if is_dlogits else (saved_q if store_q else None)
+        out = dlogits if is_dlogits else q
         n_tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(n_cols, cfg.block_v)
         programs = min(n_tiles, _num_programs(hidden.device))
         h_desc = TensorDescriptor.from_tensor(hidden, [cfg.block_t, cfg.block_k])
         tma_store = out is not None and (TMA_STORE_DLOGITS if is_dlogits else TMA_STORE_Q)
-        out_desc = (TensorDescriptor(out, [T, n_cols if is_dlogits else q_cols], [out.stride(0), 1],
+        out_desc = (TensorDescriptor(out, [T, n_cols if is_dlogits else col_start + n_cols], [out.stride(0), 1],
                                      [cfg.block_t, cfg.block_v]) if tma_store else h_desc)
         _tma_tiles_kernel[(programs,)](
             h_desc, TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k]), out_desc,
-            bias_arg, local_ids, lse if is_dlogits else hidden, grad_rows if is_dlogits else hidden,
-            tile_max, tile_sumexp, target_logit, out if out is not None else hidden,
-            T, V_local, H, col_start, n_cols, q_cols if store_q else 0,
-            out.stride(0) if out is not None else 0, inv_temperature,
+            bias_arg, local_ids, lse if is_dlogits else hidden, coef if is_dlogits else hidden,
+            tile_max, tile_sumexp, target_logit if target_logit is not None else hidden, out if out is not None else hidden,
+            T, H, col_start, n_cols, out.stride(0) if out is not None else 0, inv_temperature * math.log2(math.e),
             min(_tma_group_t(), triton.cdiv(T, cfg.block_t)),
             DLOGITS=is_dlogits, STORE_Q=store_q, TMA_STORE=tma_store,
             HAS_BIAS=has_bias, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
@@ -544,82 +696,81 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
               "INPUT_PRECISION": precision, "UPCAST": upcast, "EVEN_K": H % cfg.block_k == 0,
               "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(n_cols, cfg.block_v))
-    if dlogits is None:
-        tile_max, tile_sumexp, target_logit = forward_out
-        q_arg = saved_q if store_q else hidden
+    if not is_dlogits:
+        q_arg = q if store_q else hidden
         _fwd_tile_kernel[grid](
-            hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit, q_arg,
-            T, V_local, H, q_cols if store_q else 0,
+            hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit, q_arg, T, H, col_start, n_cols,
             hidden.stride(0), weight.stride(0), q_arg.stride(0), inv_temperature, STORE_Q=store_q, **common,
         )
     else:
         _dlogits_kernel[grid](
-            hidden, weight, bias_arg, local_ids, lse, grad_rows, dlogits,
-            T, V_local, H, col_start, n_cols,
+            hidden, weight, bias_arg, lse, coef, dlogits,
+            T, weight.shape[0], H, col_start, n_cols,
             hidden.stride(0), weight.stride(0), dlogits.stride(0), inv_temperature, **common,
         )
 
 
 @dataclass
-class _SavedChunk:
-    """The forward's gift to the backward: exp(z - tile row max) of vocab columns [0, cols) in the
-    backward's chunk buffer (``q``), and those tiles' row maxima. Consumed (turned into dlogits in
-    place) by the first backward; a second backward over the same graph recomputes instead."""
-    q: torch.Tensor  # [T, chunk] input dtype, columns [0, cols) filled
-    tile_max: torch.Tensor  # [cols / block_v tiles, T] fp32
+class _SavedLogits:
+    """What the forward keeps for the backward: q = exp(z - tile row max) of vocab columns [0, cols)
+    in ``buffer`` (columns [0, cols) of its [T, buffer_cols] rows, in ``_saved_dtype``), and those
+    tiles' row maxima. Consumed (turned into dlogits in place) by the first backward; a second
+    backward over the same graph recomputes instead."""
+    buffer: torch.Tensor  # [T, buffer_cols], input dtype
+    tile_max: torch.Tensor  # [ceil(cols / block_v), T] fp32
     cols: int
     block_v: int
 
 
-def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, save_chunk=False):
-    """Returns (target_logit [T] fp32, lse [T] fp32, saved chunk or None), target_logit and lse global
-    over the TP group. ``save_chunk``: also keep the first backward chunk's exp(z - tile max)."""
+def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, plan=None):
+    """Returns (target_logit [T] fp32, lse [T] fp32, kept logits or None), target_logit and lse
+    global over the TP group. ``plan`` (when a backward follows): keep its ``saved_cols`` columns."""
     T = hidden.shape[0]
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
     n_v = triton.cdiv(V_local, cfg.block_v)
     tile_max = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     tile_sumexp = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
-    target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)
+    target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)  # written by the owning tile
     saved = None
-    if save_chunk:
-        chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
-        q = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
-        saved = _SavedChunk(q=q, tile_max=tile_max, cols=min(chunk, V_local), block_v=cfg.block_v)
-    _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=0, n_cols=V_local,
-                  forward_out=(tile_max, tile_sumexp, target_logit),
-                  saved_q=None if saved is None else saved.q, q_cols=0 if saved is None else saved.cols)
-    if saved is not None:  # keep only the saved tiles' maxima (the partials are freed)
+    if plan is not None and plan.saved_cols > 0:
+        buffer = torch.empty((T, plan.buffer_cols), dtype=hidden.dtype, device=hidden.device)
+        saved = _SavedLogits(buffer=buffer, tile_max=tile_max, cols=plan.saved_cols, block_v=cfg.block_v)
+    kept = 0 if saved is None else saved.cols  # a multiple of block_v, or V_local
+    if kept:
+        _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=0, n_cols=kept,
+                      partials=(tile_max, tile_sumexp, target_logit), q=saved.buffer.view(_saved_dtype(hidden.dtype)))
+    if kept < V_local:
+        _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=kept, n_cols=V_local - kept,
+                      partials=(tile_max, tile_sumexp, target_logit))
+    row_max = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    sumexp = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    block_t, grid = _row_grid(T)
+    _merge_partials_kernel[(grid,)](tile_max, tile_sumexp, row_max, sumexp, T, n_v,
+                                    BLOCK_T=block_t, BLOCK_N=64, num_warps=4)
+    if saved is not None and saved.cols < V_local:  # keep only the kept tiles' maxima
         saved.tile_max = tile_max[:triton.cdiv(saved.cols, cfg.block_v)].clone()
-    row_max = tile_max.max(dim=0).values
+    del tile_max, tile_sumexp
     if tp_group is not None:
+        local_max = row_max.clone()
         torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-    sumexp = (tile_sumexp * torch.exp(tile_max - row_max)).sum(dim=0)
-    if tp_group is not None:
+        sumexp *= torch.exp(local_max - row_max)
         torch.distributed.all_reduce(sumexp, op=torch.distributed.ReduceOp.SUM, group=tp_group)
         torch.distributed.all_reduce(target_logit, op=torch.distributed.ReduceOp.SUM, group=tp_group)
     return target_logit, row_max + torch.log(sumexp), saved
 
 
-def _finish_saved_chunk(saved, lse, grad_rows, target_logit, local_ids, inv_temperature):
-    """Turns the saved chunk into the dlogits of columns [0, saved.cols) in place; returns the buffer."""
-    T = saved.q.shape[0]
+def _finish_saved_logits(saved, lse, coef, target_logit, local_ids) -> torch.Tensor:
+    """Turns the kept q into the dlogits of columns [0, saved.cols) in place; returns that [T, cols] view."""
+    T = saved.buffer.shape[0]
     block_t, block_c = (32, min(32, saved.block_v)) if INTERPRETED else (64, min(128, saved.block_v))
     grid = (triton.cdiv(T, block_t), triton.cdiv(saved.cols, block_c))
     _saved_dlogits_kernel[grid](
-        saved.q, saved.tile_max, lse, grad_rows, target_logit, local_ids,
-        T, saved.cols, saved.q.stride(0), inv_temperature,
+        saved.buffer.view(_saved_dtype(saved.buffer.dtype)), saved.buffer, saved.tile_max, lse, coef,
+        target_logit, local_ids, T, saved.cols, saved.buffer.stride(0),
         TILE_V=saved.block_v, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
     )
-    return saved.q
-
-
-def _vocab_chunk_cols(T: int, V_local: int, element_size: int, block_v: int) -> int:
-    """Columns per backward chunk: the fewest chunks whose dlogits fit BACKWARD_WORKSPACE_BYTES, then
-    the columns spread evenly over them (a multiple of block_v), so no chunk is a thin leftover."""
-    max_cols = max(block_v, BACKWARD_WORKSPACE_BYTES // max(1, T * element_size) // block_v * block_v)
-    n_chunks = triton.cdiv(V_local, max_cols)
-    return min(max_cols, triton.cdiv(triton.cdiv(V_local, n_chunks), block_v) * block_v)
+    return saved.buffer[:, :saved.cols]
 
 
 def _accumulate_dh(d_hidden32: torch.Tensor, d_chunk: torch.Tensor, w_chunk: torch.Tensor, first: bool) -> None:
@@ -639,46 +790,65 @@ def _accumulate_dh(d_hidden32: torch.Tensor, d_chunk: torch.Tensor, w_chunk: tor
         d_hidden32.addmm_(d_chunk, w_chunk)
 
 
-def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, tp_group, needs,
-              saved=None, target_logit=None):
-    """dH, dW, db chunk by chunk over the vocab. ``saved`` (the forward's first chunk, see
-    ``_SavedChunk``) replaces the recompute of that chunk and is the chunk buffer for the rest."""
+def _backward(hidden, weight, bias, local_ids, lse, grad_rows, target_logit, inv_temperature, tp_group, needs,
+              plan, saved=None):
+    """dH, dW, db: first the kept columns (``saved``: turned into dlogits in place, one pair of
+    products over all of them), then the other columns in even chunks recomputed into the same
+    buffer, each followed by its pair of products."""
     T, H = hidden.shape
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
     need_dh, need_dw, need_db = needs
     use_torch_mm = _bwd_matmul() == "torch"
+    coef = (grad_rows * -inv_temperature).contiguous()
     if saved is not None:
-        dlogits = _finish_saved_chunk(saved, lse, grad_rows, target_logit, local_ids, inv_temperature)
-        chunk = dlogits.shape[1]
-        chunks = [(0, saved.cols)] + [(s, min(chunk, V_local - s)) for s in range(saved.cols, V_local, chunk)]
+        buffer = saved.buffer
+        pieces = [(0, saved.cols, _finish_saved_logits(saved, lse, coef, target_logit, local_ids))]
+        saved.buffer = None  # consumed
     else:
-        chunk = _vocab_chunk_cols(T, V_local, hidden.element_size(), cfg.block_v)
-        dlogits = torch.empty((T, chunk), dtype=hidden.dtype, device=hidden.device)
-        chunks = [(s, min(chunk, V_local - s)) for s in range(0, V_local, chunk)]
-    alloc = torch.empty if use_torch_mm else torch.zeros  # cuBLAS overwrites on the first chunk
-    d_hidden32 = alloc((T, H), dtype=torch.float32, device=hidden.device) if need_dh else None
+        buffer = torch.empty((T, plan.buffer_cols), dtype=hidden.dtype, device=hidden.device)
+        pieces = []
+    done = pieces[0][1] if pieces else 0
+    chunks = _even_chunks(done, V_local, buffer.shape[1], cfg.block_v)
+    # Row length of the chunk view: 16-byte rows (TMA) within the buffer (itself 16-byte aligned).
+    width = min(buffer.shape[1], _round_up(chunks[0][1], 16 // buffer.element_size())) if chunks else 0
+    # One product over the whole vocab, no TP: dH straight into its dtype, no fp32 accumulator.
+    dh_direct = need_dh and tp_group is None and len(pieces) + len(chunks) == 1
+    d_hidden = torch.empty_like(hidden) if dh_direct else None
+    alloc = torch.empty if use_torch_mm else torch.zeros  # cuBLAS overwrites on the first product
+    d_hidden32 = alloc((T, H), dtype=torch.float32, device=hidden.device) if need_dh and not dh_direct else None
     d_weight = torch.empty_like(weight) if need_dw else None
     d_bias32 = torch.empty(V_local, dtype=torch.float32, device=hidden.device) if need_db else None
-    for index, (start, cols) in enumerate(chunks):
-        if index > 0 or saved is None:
+    chunk_view = buffer.view(-1)[:T * width].view(T, width) if chunks else None
+    for start, cols in chunks:
+        pieces.append((start, cols, None))
+    for index, (start, cols, d_piece) in enumerate(pieces):
+        if d_piece is None:  # recompute this chunk's softmax into the buffer
+            d_piece = chunk_view[:, :cols]
             _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
-                          dlogits=dlogits, lse=lse, grad_rows=grad_rows)
-        d_chunk = dlogits[:, :cols]
-        if need_dh:
+                          dlogits=d_piece, lse=lse, coef=coef)
+            block_t, grid = _row_grid(T)
+            _target_column_kernel[(grid,)](d_piece, local_ids, target_logit, lse, coef, T, start, cols,
+                                           d_piece.stride(0), BLOCK_T=block_t, num_warps=4)
+        w_piece = weight[start:start + cols]
+        if dh_direct:
             if use_torch_mm:
-                _accumulate_dh(d_hidden32, d_chunk, weight[start:start + cols], first=index == 0)
+                torch.mm(d_piece, w_piece, out=d_hidden)
             else:
-                _matmul(d_chunk, weight[start:start + cols], d_hidden32, accumulate=True)
+                _matmul(d_piece, w_piece, d_hidden, accumulate=False)
+        elif need_dh:
+            if use_torch_mm:
+                _accumulate_dh(d_hidden32, d_piece, w_piece, first=index == 0)
+            else:
+                _matmul(d_piece, w_piece, d_hidden32, accumulate=True)
         if need_dw:
             if use_torch_mm:
-                torch.mm(d_chunk.t(), hidden, out=d_weight[start:start + cols])
+                torch.mm(d_piece.t(), hidden, out=d_weight[start:start + cols])
             else:
-                _matmul(d_chunk.t(), hidden, d_weight[start:start + cols], accumulate=False)
+                _matmul(d_piece.t(), hidden, d_weight[start:start + cols], accumulate=False)
         if need_db:
-            d_bias32[start:start + cols] = d_chunk.sum(dim=0, dtype=torch.float32)  # fp32 accumulate, no fp32 copy
-    d_hidden = None
-    if need_dh:
+            d_bias32[start:start + cols] = d_piece.sum(dim=0, dtype=torch.float32)  # fp32 accumulate
+    if need_dh and not dh_direct:
         if tp_group is not None:
             torch.distributed.all_reduce(d_hidden32, op=torch.distributed.ReduceOp.SUM, group=tp_group)
         d_hidden = d_hidden32.to(hidden.dtype)
@@ -688,14 +858,16 @@ def _backward(hidden, weight, bias, local_ids, lse, grad_rows, inv_temperature, 
 
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, temperature, tp_group, vocab_start, save_chunk):
+    def forward(ctx, hidden, weight, bias, target_ids, temperature, tp_group, vocab_start, plan, save):
         inv_temperature = 1.0 / temperature
         local_ids = _local_ids(target_ids, vocab_start)
-        target_logit, lse, saved = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, save_chunk)
+        target_logit, lse, saved = _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group,
+                                            plan if save else None)
         ignored = target_ids == IGNORE_INDEX
         logp = torch.where(ignored, torch.zeros_like(lse), target_logit - lse)
         ctx.save_for_backward(hidden, weight, bias, local_ids, lse, ignored, target_logit)
-        ctx.saved_chunk = saved
+        ctx.saved_logits = saved
+        ctx.plan = plan
         ctx.inv_temperature = inv_temperature
         ctx.tp_group = tp_group
         return logp
@@ -703,46 +875,55 @@ class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp):
         hidden, weight, bias, local_ids, lse, ignored, target_logit = ctx.saved_tensors
-        saved, ctx.saved_chunk = ctx.saved_chunk, None  # consumed in place: a second backward recomputes
-        grad_rows = torch.where(ignored, torch.zeros_like(lse), grad_logp.float()).contiguous()
+        saved, ctx.saved_logits = ctx.saved_logits, None  # consumed in place: a second backward recomputes
+        grad_rows = torch.where(ignored, torch.zeros_like(lse), grad_logp.float())
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         d_hidden, d_weight, d_bias = _backward(
-            hidden, weight, bias, local_ids, lse, grad_rows, ctx.inv_temperature, ctx.tp_group, needs,
-            saved=saved, target_logit=target_logit,
+            hidden, weight, bias, local_ids, lse, grad_rows, target_logit, ctx.inv_temperature, ctx.tp_group,
+            needs, ctx.plan, saved=saved,
         )
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def linear_logp_call(call: LinearLogpCall) -> torch.Tensor:
     """Selected log-prob of ``target_ids`` under ``softmax((hidden @ weight.T + bias) / temperature)``
-    on the kernels above: fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias."""
+    on the kernels above: fp32 [T] on hidden's device, differentiable w.r.t. hidden, weight and bias.
+    The workspace budget (``workspace_bytes``, else ``RLK_LINEAR_LOGP_WORKSPACE_BYTES``, else 256 MB)
+    sets how much of the logits the forward keeps for the backward (module docstring)."""
     hidden, weight, target_ids, bias = call.hidden, call.weight, call.target_ids, call.bias
+    budget, explicit = _workspace_budget(call.workspace_bytes)
     # The kernels read rows with unit stride along H.
     hidden_c = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weight_c = weight if weight.stride(1) == 1 else weight.contiguous()
     bias_c = None if bias is None else bias.contiguous()
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_c, weight_c, bias_c))
+    save = wants_grad and _save_logits()
+    plan = _plan(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, budget, explicit=explicit,
+                 save=save, tp=call.tp_group is not None)
     return _LinearLogpFunction.apply(
-        hidden_c, weight_c, bias_c, target_ids, call.temperature, call.tp_group, call.vocab_start,
-        wants_grad and _save_chunk(),
+        hidden_c, weight_c, bias_c, target_ids, call.temperature, call.tp_group, call.vocab_start, plan, save,
     )
 
 
 linear_logp = entry_point(LinearLogpCall, linear_logp_call, name="linear_logp")
 
 
-def workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype) -> int:
-    """Upper bound of the extra memory (beyond inputs and returned grads) forward+backward allocate
-    on a GPU (compiled tile sizes)."""
-    cfg = _tile_config(dtype, interpreted=False)
-    element = torch.empty((), dtype=dtype).element_size()
-    n_v = math.ceil(V_local / cfg.block_v)
-    forward = 2 * n_v * T * 4 + 3 * T * 4 + T * 4  # partials, target/lse/logp, int32 ids
-    chunk = _vocab_chunk_cols(T, V_local, element, cfg.block_v)
-    saved_tile_max = math.ceil(min(chunk, V_local) / cfg.block_v) * T * 4  # kept for the saved chunk
-    backward = T * chunk * element + T * H * 4 + V_local * 4 + T * 4 + saved_tile_max
-    return forward + backward
+def planned_workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype, workspace_bytes: int | None = None,
+                            *, tp: bool = False, save: bool = True) -> int:
+    """Upper bound of the extra memory (beyond inputs, output and returned grads) forward+backward
+    hold on a GPU (compiled tile sizes) under a budget (``workspace_bytes``, as ``linear_logp``'s)."""
+    budget, explicit = _workspace_budget(workspace_bytes)
+    return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=save, tp=tp, interpreted=False).workspace
 
 
-__all__ = ["BACKWARD_WORKSPACE_BYTES", "linear_logp", "linear_logp_call", "workspace_bytes"]
+def kept_vocab_columns(T: int, H: int, V_local: int, dtype: torch.dtype, workspace_bytes: int | None = None,
+                       *, tp: bool = False) -> int:
+    """How many vocab columns' logits a forward that a backward follows keeps under the budget
+    (V_local: all of them, three matrix products)."""
+    budget, explicit = _workspace_budget(workspace_bytes)
+    return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=True, tp=tp, interpreted=False).saved_cols
+
+
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "WORKSPACE_ENV", "kept_vocab_columns", "linear_logp", "linear_logp_call",
+           "planned_workspace_bytes"]

@@ -13,7 +13,7 @@ baseline arm is A, the kernel arm is B); this module only decides what is compar
 - both lanes: both arms must have completed the same number of rollouts; the kernel arm's
   fallback count must be 0 over the whole run (warmup included), and an arm that reports no
   fallback count at all fails (nothing proves the kernels ran).
-- `entropy_loss` is never compared (the kernel arm does not compute it).
+- `entropy_loss` and `entropy` are never compared (`metrics.NEVER_COMPARED` says why).
 """
 
 from __future__ import annotations

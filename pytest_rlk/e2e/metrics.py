@@ -51,8 +51,9 @@ LOSS_TIME = "loss_time_s"
 OPTIMIZER_TIME = "optimizer_time_s"
 ENTROPY = "entropy"
 
-# Entropy is recorded for the report, never compared across arms: vime's kernel arm does not
-# materialize it (train/entropy_loss reads 0 there; vime-facts.md, "Kernel switches"), and in the
+# Entropy is recorded for the report, never compared across arms: on the fork's linear-logp path
+# vime's kernel arm does not materialize it (train/entropy_loss reads 0 there; vime-facts.md,
+# "Kernel switches"; the custom-loss adapter does compute it, as vime does), and in the
 # TRL lane it is a by-product of the log-prob path under test, not a training outcome.
 NEVER_COMPARED: frozenset[str] = frozenset({ENTROPY_LOSS, ENTROPY})
 

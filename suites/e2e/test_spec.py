@@ -149,7 +149,9 @@ def test_identical_arms_check_passes_on_the_built_commands():
     (lambda k: {"workdir": "/elsewhere"}, "workdir"),
 ])
 def test_identical_arms_check_fails_on_a_difference(change, message):
-    spec = ABSpec.model_validate(_raw())
+    raw = _raw()
+    raw["kernel_switch"]["args"] = ["--a-kernel-arm-flag"]  # vime specs switch by env only; the check covers args
+    spec = ABSpec.model_validate(raw)
     base, kern = vime_commands.arm_commands(spec, "live", vime_root="/v", run_dir="/r")
     bad = ArmCommand(**{**kern.__dict__, **change(kern)})
     with pytest.raises(ArmMismatchError, match=message.replace("(", r"\(")):

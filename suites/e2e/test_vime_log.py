@@ -7,7 +7,12 @@ import math
 import pytest
 
 from pytest_rlk.e2e import metrics as m
-from pytest_rlk.e2e.engines.vime.log import VimeLogError, parse_metric_dict, parse_vime_lines, parse_vime_log
+from pytest_rlk.e2e.engines.vime.log import (
+    VimeLogError,
+    parse_metric_dict,
+    parse_vime_lines,
+    parse_vime_log,
+)
 
 
 def test_baseline_fixture_both_perf_lines_merge_by_key(fixtures_dir):
@@ -84,10 +89,42 @@ def test_conflicting_values_across_the_two_perf_lines_are_flagged():
     assert log.records["perf"][0] == {"perf/step_time": 1.0}
 
 
-def test_series_needs_every_metric_at_every_rollout():
-    log = parse_vime_lines(["rollout 0: {'rollout/raw_reward': 0.1}", "rollout 1: {'rollout/kl': 0.0}"])
-    with pytest.raises(VimeLogError, match="'rollout/raw_reward' missing at rollout 1"):
-        log.series()
+def test_metrics_present_at_some_rollouts_are_kept_as_gaps():
+    log = parse_vime_lines(["rollout 0: {'rollout/raw_reward': 0.1}", "rollout 1: {'rollout/kl': 0.0}",
+                            "rollout 2: {'rollout/raw_reward': 0.3, 'rollout/kl': 0.1}"])
+    series = log.series()
+    assert series[m.RAW_REWARD][0] == 0.1 and math.isnan(series[m.RAW_REWARD][1]) and series[m.RAW_REWARD][2] == 0.3
+    assert math.isnan(series[m.ROLLOUT_KL][0]) and series[m.ROLLOUT_KL][1:] == [0.0, 0.1]
+    assert log.gaps() == {m.RAW_REWARD: [1], m.ROLLOUT_KL: [0]}
+
+
+def test_a_gated_gap_is_a_problem_naming_metric_arm_and_rollout_others_are_notes():
+    from pytest_rlk.e2e.arms import ArmCommand
+    from pytest_rlk.e2e.engines.vime.engine import gap_findings
+
+    arm = ArmCommand(role="kernels", label="vime+kernels", lane="replay", argv=["python3"], env={})
+    problems, notes = gap_findings(arm, {m.LOSS: [3], m.RESPONSE_LENGTH: [0, 1]})
+    assert problems == ["vime+kernels (replay lane): gated metric 'loss' missing at rollouts [3]"]
+    assert len(notes) == 1 and repr(m.RESPONSE_LENGTH) in notes[0] and "not gated" in notes[0]
+
+
+def test_expected_lines_that_never_came_and_the_replay_arm_without_a_rollout_manager_line():
+    trainer_only = ["rollout 0: {'rollout/log_probs': -0.3}", "step 0: {'train/loss': 0.1}",
+                    "perf 0: {'perf/train_time': 9.0}", "rollout 1: {'rollout/log_probs': -0.3}",
+                    "perf 1: {'perf/train_time': 9.0}"]
+    log = parse_vime_lines(trainer_only)
+    assert log.missing_lines(replays_rollouts=True) == ["1 trainer 'step' line(s) missing at rollouts 1"]
+    assert log.missing_lines() == [
+        "1 trainer 'step' line(s) missing at rollouts 1",
+        "rollout manager 'perf N' line (perf/rollout_time) missing at rollouts 0-1"]
+
+
+def test_async_prefix_and_critic_steps():
+    log = parse_vime_lines([
+        "[2026-11-20 03:12:10 fully-async-0] train_metric_utils.py:135 - rollout 2: {'rollout/raw_reward': 1.0}",
+        "[2026-11-20 03:12:11] model.py:960 - critic-step 4: {'train/critic-loss': 0.5}"])
+    assert log.records["rollout"][2] == {"rollout/raw_reward": 1.0}
+    assert log.records["critic-step"][4] == {"train/critic-loss": 0.5} and not log.records["step"]
 
 
 def test_train_steps_average_within_their_rollout():

@@ -31,12 +31,16 @@ def device() -> torch.device:
 
 @pytest.fixture
 def kernels_arm(monkeypatch):
-    """``kernels_arm(True|False)`` switches the kernels on/off (strict, so a fallback fails loudly)."""
+    """``kernels_arm(True|False)``: our Triton kernels, or the same code paths on the fp32 reference
+    backend (strict, so a fallback fails loudly). The reference arm keeps the kernels switch on with
+    ``VIME_RL_KERNEL_BACKEND=reference``: with the switch off the vime adapter hands its calls to vime's
+    own loss, which is not installed here."""
     import kernels
 
     def switch(on: bool) -> None:
-        monkeypatch.setenv("VIME_RL_KERNEL", "1" if on else "0")
-        monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1" if on else "0")
+        monkeypatch.setenv("VIME_RL_KERNEL", "1")
+        monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton" if on else "reference")
+        monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
         kernels.reset_fallback_counts()
 
     yield switch

@@ -67,7 +67,7 @@ def test_vllm_rollout_vs_training_logprob_drift(drift_cases, kernels_arm, rlk_me
         advantages=[adv[i].expand(r.numel()).clone() for i, r in enumerate(responses)])
     rows, ids = standin.response_rows_standin(batch)
     sosm = standin.sum_of_sample_mean_standin(lengths.tolist(), batch["loss_masks"])
-    args = standin.vime_args_standin(["--use-rollout-logprobs"])
+    args = standin.vime_args_standin([])  # old = rollout log-probs in the batch (what --use-rollout-logprobs gives)
 
     results = {}
     for arm, on in (("reference", False), ("kernels", True)):

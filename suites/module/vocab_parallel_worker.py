@@ -73,8 +73,10 @@ def run_worker(rank: int, world: int, init_file: str, backend: str, out_dir: str
         logp_meg, grad_meg = _logp_and_grad(megatron_logp, shard, weights)
         arms = {}
         for arm, on in (("ref", False), ("kernels", True)):
-            os.environ["VIME_RL_KERNEL"] = "1" if on else "0"
-            os.environ["VIME_RL_KERNEL_STRICT"] = "1" if on else "0"
+            # the reference arm: the same adapter path on the fp32 reference backend
+            os.environ["VIME_RL_KERNEL"] = "1"
+            os.environ["VIME_RL_KERNEL_BACKEND"] = "rlk-triton" if on else "reference"
+            os.environ["VIME_RL_KERNEL_STRICT"] = "1"
             logp, grad = _logp_and_grad(kernels_logp, shard, weights)
             args = standin.vime_args_standin([*LOSS_FLAGS, "--tensor-model-parallel-size", str(world)])
             loss, metrics, dlogits = run_adapter(args, batch, shard)

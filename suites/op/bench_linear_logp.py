@@ -1,20 +1,35 @@
 """linear_logp at the issue's shape on a GPU: accuracy, workspace, and speed beside its peers in one run.
 
-Shape: bf16 hidden [4096, 4096] x LM head [151936, 4096] (Qwen-sized vocab), temperature 1.
-Peers timed in the same process: eager (bf16 matmul + fp32 log-softmax), TRL's
-``trl.kernels.ChunkedLogProbFunction`` (chunk 32768, TRL's own default) and Liger's chunked selective
-log-prob where importable. Times: ``pytest_rlk.timing.bench`` (CUDA events, L2 flushed, median);
-memory: ``peak_extra_memory`` minus the gradients the call returns.
+Shape: bf16 hidden [4096, 4096] x LM head [151936, 4096] (Qwen-sized vocab), temperature 1, two
+kinds of logits:
+  ``random``  hidden ~ N(0, 1), W ~ N(0, (2/sqrt(H))^2): logits std ~2, flat softmax;
+  ``peaked``  hidden ~ N(0, 0.5^2), W ~ N(0, 0.125^2): logits std ~4, a few tokens hold most of the
+              probability, like a trained model's head (the case where rounding hurts most).
+Ours at three workspace budgets (``workspace_bytes``): the default (256 MB, what a user gets),
+``rlk_ws_logits`` = the bf16 logits' size (T * V * 2 B = 1.24 GB) and ``rlk_keep_all`` (2% more:
+every column kept, three matrix products); ``rlk_bwd_triton_mm`` is the default budget with our
+Triton dH/dW matmuls. Peers timed in the same process: eager (bf16 matmul + fp32 log-softmax),
+TRL's ``trl.kernels.ChunkedLogProbFunction`` (chunk 32768, TRL's own default), Cut Cross-Entropy's
+``linear_cross_entropy(..., reduction="none")`` (= -logp, its default gradient filter), Liger's
+chunked selective log-prob, and Liger's fused linear scaled cross-entropy where its Hopper path
+imports (it needs ``nvidia-cutlass-dsl``). Times: ``pytest_rlk.timing.bench`` (CUDA events, L2
+flushed, median); memory: ``peak_extra_memory`` minus the gradients the call returns.
 
-Speed is recorded, never asserted here: issue 8's goals (forward no slower than TRL's,
-forward+backward <= 0.85x TRL's) are read from the artifacts and gated by baselines. Asserted:
-<= 256 MB of workspace beyond the inputs and returned gradients; logp within 1e-4 of the fp32-upcast reference
-and gradients within 2e-2 (max |err| / max |ref|) of it cast to bf16.
+Speed is recorded, never asserted here: the goals (issue 19: forward at least as fast as the
+fastest peer's, forward+backward <= 26 ms at the default budget and <= 21 ms at the logits' size on
+an H200) are read from the artifacts and gated by baselines. Asserted: logp within 1e-4 of the
+fp32-upcast reference, or within twice the error of the tensor cores' own fp32-accumulated products
+where those miss 1e-4 (peaked logits); gradients within 2e-2 (max |err| / max |ref|) of it cast to
+bf16; the dH and dW relative errors (||err|| / ||ref||) no larger than eager bf16's; the measured
+workspace within each budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -22,17 +37,28 @@ import torch
 from rlk_bench import measure, record_limit
 
 from kernels import tolerances
-from kernels.ops.linear_logp import BWD_MATMUL_ENV, linear_logp
+from kernels.ops.linear_logp import BWD_MATMUL_ENV, DEFAULT_WORKSPACE_BYTES, linear_logp
 from kernels.reference.linear_logp import fp32_logits
-from pytest_rlk.timing import peak_extra_memory
+from pytest_rlk.timing import bench, peak_extra_memory
 
 T, H, V = 4096, 4096, 151936
-WORKSPACE_BUDGET_BYTES = 256 * 10**6
-CASE = f"linear_logp-bf16-T{T}-H{H}-V{V}"
+LOGITS_BYTES = T * V * 2
+BUDGETS = {"rlk": DEFAULT_WORKSPACE_BYTES, "rlk_ws_logits": LOGITS_BYTES, "rlk_keep_all": int(LOGITS_BYTES * 1.02)}
+SHAPE_CASE = f"linear_logp-bf16-T{T}-H{H}-V{V}"
+LOGITS = {"random": (1.0, 2.0 / H**0.5), "peaked": (0.5, 0.125)}  # (hidden std, weight std)
 
 pytestmark = [pytest.mark.gpu]
 
 Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The H100/H200 run these products at their power limit, where the clock drifts over seconds: the
+# same call measured +-7% apart within one run (docs/linear_logp.md). Besides each implementation's
+# own measurement, every one is timed again in ROUNDS interleaved rounds; the median of the rounds
+# (``<impl>_interleaved_ms``) is the figure to compare implementations by.
+ROUNDS = 3
+
+
+def _case(logits: str) -> str:
+    return SHAPE_CASE if logits == "random" else f"{SHAPE_CASE}-peaked"
 
 
 def _eager(hidden, weight, ids):
@@ -56,97 +82,167 @@ def _liger() -> Impl | None:
     return lambda hidden, weight, ids: function.apply(hidden, weight, ids, None, 1.0, 4096)
 
 
-def _ours(h, w, i):
-    return linear_logp(h, w, i)
+def _liger_flsce() -> Impl | None:
+    """Liger's fused linear scaled cross-entropy; on Hopper only through its CuTe DSL path."""
+    try:
+        module = importlib.import_module("liger_kernel.ops.fused_linear_scaled_cross_entropy")
+        module._resolve_implementation(torch.device("cuda"))  # raises ImportError without nvidia-cutlass-dsl
+        function = module.LigerFusedLinearScaledCrossEntropyFunction
+    except (ImportError, AttributeError):
+        return None
+    return lambda hidden, weight, ids: -function.apply(hidden, weight, ids, 1.0)
 
 
-# Our op twice: default backward (cuBLAS dH/dW) and our Triton matmuls (RLK_LINEAR_LOGP_BWD_MATMUL=triton).
-OUR_VARIANTS = {"rlk": "torch", "rlk_bwd_triton_mm": "triton"}
+def _cce() -> Impl | None:
+    try:
+        function = importlib.import_module("cut_cross_entropy").linear_cross_entropy
+    except (ImportError, AttributeError):
+        return None
+    return lambda hidden, weight, ids: -function(hidden, weight, ids, reduction="none")
 
 
-def _peers() -> dict[str, Impl]:
-    impls: dict[str, Impl] = {"rlk": _ours, "rlk_bwd_triton_mm": _ours, "eager": _eager}
-    for name, make in (("trl", _trl), ("liger", _liger)):
+def _ours(budget: int) -> Impl:
+    return functools.partial(linear_logp, workspace_bytes=None if budget == DEFAULT_WORKSPACE_BYTES else budget)
+
+
+# Our op at each budget, and with our Triton dH/dW matmuls (RLK_LINEAR_LOGP_BWD_MATMUL=triton).
+OUR_VARIANTS = {"rlk": "torch", "rlk_bwd_triton_mm": "triton", "rlk_ws_logits": "torch", "rlk_keep_all": "torch"}
+PEERS = {"trl": _trl, "cce": _cce, "liger": _liger, "liger_flsce": _liger_flsce}
+
+
+def _impls(pass_name: str) -> dict[str, Impl]:
+    impls: dict[str, Impl] = {"rlk": _ours(DEFAULT_WORKSPACE_BYTES), "rlk_bwd_triton_mm": _ours(DEFAULT_WORKSPACE_BYTES)}
+    if pass_name == "fwd+bwd":  # the budget decides only what a forward that a backward follows keeps
+        impls.update({name: _ours(BUDGETS[name]) for name in ("rlk_ws_logits", "rlk_keep_all")})
+    impls["eager"] = _eager
+    for name, make in PEERS.items():
         impl = make()
         if impl is not None:
             impls[name] = impl
     return impls
 
 
-@pytest.fixture(scope="module")
-def issue_shape():
+@functools.cache
+def _inputs(logits: str):
+    hidden_std, weight_std = LOGITS[logits]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    weight = (torch.randn(V, H, device="cuda", generator=gen) * (2.0 / H**0.5)).to(torch.bfloat16)
+    hidden = (torch.randn(T, H, device="cuda", generator=gen) * hidden_std).to(torch.bfloat16)
+    weight = (torch.randn(V, H, device="cuda", generator=gen) * weight_std).to(torch.bfloat16)
     ids = torch.randint(0, V, (T,), device="cuda", generator=gen)
     ids[:2] = torch.tensor([0, V - 1], device="cuda")
     upstream = torch.randn(T, device="cuda", generator=gen)
     return hidden.requires_grad_(), weight.requires_grad_(), ids, upstream
 
 
-def _reference_rows(hidden, weight, ids, upstream, rows: slice):
-    """fp32-upcast reference logp and grads for a slice of rows (rows are independent)."""
-    h = hidden[rows].detach().float().requires_grad_()
-    w = weight.detach().float().requires_grad_()
-    logp = fp32_logits(h, w).log_softmax(-1).gather(-1, ids[rows, None]).squeeze(-1)
-    dh, dw = torch.autograd.grad(logp, (h, w), upstream[rows])
-    return logp.detach(), dh, dw
-
-
-def test_linear_logp_accuracy_and_workspace_at_issue_shape(issue_shape, rlk_metrics):
-    hidden, weight, ids, upstream = issue_shape
-    rlk_metrics.set_case(CASE + "-accuracy")
-    logp = linear_logp(hidden, weight, ids)
-    dh, dw = torch.autograd.grad(logp, (hidden, weight), upstream)
-    ref_logp = torch.empty_like(logp)
+def _reference(hidden, weight, ids, upstream):
+    """fp32-upcast reference logp, dH, dW (rows are independent: 1024 at a time), the logits' std,
+    and the log-probs from the tensor cores' own fp32-accumulated products (cuBLAS, fp32 output, then
+    an fp32 log-softmax): the most accurate any bf16 tensor-core product gives."""
+    ref_logp = torch.empty(T, device="cuda")
+    tc_logp = torch.empty(T, device="cuda")
     ref_dh = torch.empty(T, H, device="cuda")
     ref_dw = torch.zeros(V, H, device="cuda")
+    w = weight.detach().float().requires_grad_()
+    stds = []
     for start in range(0, T, 1024):
         rows = slice(start, start + 1024)
-        ref_logp[rows], ref_dh[rows], dw_part = _reference_rows(hidden, weight, ids, upstream, rows)
-        ref_dw += dw_part
-        del dw_part
-    checks = {"logp": tolerances.closeness(logp, ref_logp, tolerances.get("linear_logp", torch.bfloat16))}
+        h = hidden[rows].detach().float().requires_grad_()
+        logits = fp32_logits(h, w)
+        stds.append(logits.std().item())
+        logp = logits.log_softmax(-1).gather(-1, ids[rows, None]).squeeze(-1)
+        dh, dw = torch.autograd.grad(logp, (h, w), upstream[rows])
+        ref_logp[rows], ref_dh[rows] = logp.detach(), dh
+        ref_dw += dw
+        del logits, dw
+        tc = torch.mm(hidden[rows].detach(), weight.detach().t(), out_dtype=torch.float32)
+        tc_logp[rows] = tc.log_softmax(-1).gather(-1, ids[rows, None]).squeeze(-1)
+        del tc
+    return ref_logp, tc_logp, ref_dh, ref_dw, sum(stds) / len(stds)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius, fp32)."""
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("logits", list(LOGITS))
+def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, logits):
+    hidden, weight, ids, upstream = _inputs(logits)
+    rlk_metrics.set_case(_case(logits) + "-accuracy")
+    ref_logp, tc_logp, ref_dh, ref_dw, logits_std = _reference(hidden, weight, ids, upstream)
+    rlk_metrics.record("logits_std", logits_std, direction="two_sided", space="ratio", gate=False)
+    tc_err = (tc_logp - ref_logp).abs().max().item()
+    rlk_metrics.record("tensor_core_logp_max_abs_err", tc_err, direction="lower_is_better", space="logprob", gate=False)
+    # The tensor cores accumulate bf16 products in fp32 with their own rounding: ~5e-6 of |z| over
+    # H = 4096 (1.3e-4 at the peaked case's lse ~ 20, above the 1e-4 tolerance). The logp check is
+    # the tolerance, or, where the hardware's own products miss it, twice their error.
+    logp_tol = tolerances.get("linear_logp", torch.bfloat16)
+    logp_bound = max(logp_tol.atol, 2 * tc_err)
+    eager_logp = _eager(hidden, weight, ids)
+    eager_dh, eager_dw = torch.autograd.grad(eager_logp, (hidden, weight), upstream)
+    eager_err = {"hidden": _rel_err(eager_dh, ref_dh), "weight": _rel_err(eager_dw, ref_dw)}
+    rlk_metrics.record("eager_logp_max_abs_err", (eager_logp - ref_logp).abs().max().item(),
+                       direction="lower_is_better", space="logprob", gate=False)
+    del eager_logp, eager_dh, eager_dw
+    returned = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size() + T * 4
+    failed: dict[str, str] = {}
     grad_tol = tolerances.get("linear_logp.grad", torch.bfloat16)
-    for name, got, want in (("hidden", dh, ref_dh), ("weight", dw, ref_dw)):
-        want_cast = want.to(torch.bfloat16).float()
-        checks[f"grad_{name}"] = tolerances.closeness(got, want_cast, grad_tol)
-        rlk_metrics.record(f"grad_{name}_rel_err", checks[f"grad_{name}"].max_abs_err / want_cast.abs().max().item(),
-                           direction="lower_is_better", space="error", gate=False)
-    del ref_dw
+    for variant, budget in BUDGETS.items():
+        prefix = "" if variant == "rlk" else f"{variant}_"  # the default keeps the metric names it always had
+        ours = _ours(budget)
+        logp = ours(hidden, weight, ids)
+        dh, dw = torch.autograd.grad(logp, (hidden, weight), upstream)
+        checks = {"logp": tolerances.closeness(logp, ref_logp, dataclasses.replace(logp_tol, atol=logp_bound))}
+        for name, got, want in (("hidden", dh, ref_dh), ("weight", dw, ref_dw)):
+            want_cast = want.to(torch.bfloat16).float()
+            checks[f"grad_{name}"] = tolerances.closeness(got, want_cast, grad_tol)
+            rlk_metrics.record(f"{prefix}grad_{name}_rel_err", checks[f"grad_{name}"].max_abs_err / want_cast.abs().max().item(),
+                               direction="lower_is_better", space="error", gate=False)
+            rel = _rel_err(got, want)
+            rlk_metrics.record(f"{prefix}grad_{name}_norm_rel_err", rel, direction="lower_is_better", space="error",
+                               gate=False, tags={"eager_norm_rel_err": f"{eager_err[name]:.3e}"})
+            if rel > eager_err[name]:
+                failed[f"{variant} grad_{name}"] = f"relative error {rel:.3e} > eager bf16's {eager_err[name]:.3e}"
+        rlk_metrics.record(f"{prefix}logp_max_abs_err", checks["logp"].max_abs_err, direction="lower_is_better",
+                           space="logprob", gate=False)
+        failed.update({f"{variant} {name}": c.describe() for name, c in checks.items() if not c.ok})
+        del logp, dh, dw
 
-    def step():
-        out = linear_logp(hidden, weight, ids)
-        torch.autograd.grad(out, (hidden, weight), upstream)
+        def step(ours=ours):
+            out = ours(hidden, weight, ids)
+            torch.autograd.grad(out, (hidden, weight), upstream)
 
-    returned = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size() + logp.numel() * 4
-    workspace = peak_extra_memory(step) - returned
-    rlk_metrics.record("logp_max_abs_err", checks["logp"].max_abs_err, direction="lower_is_better",
-                       space="logprob", gate=False)
-    rlk_metrics.record("workspace_mb", workspace / 1e6, unit="MB", direction="lower_is_better", space="memory")
-    failed = {name: c.describe() for name, c in checks.items() if not c.ok}
-    assert not failed, f"outside kernels/tolerances.py (linear_logp, bf16, vs fp32-upcast reference): {failed}"
-    assert workspace <= WORKSPACE_BUDGET_BYTES, f"workspace {workspace / 1e6:.0f} MB > 256 MB"
+        workspace = peak_extra_memory(step) - returned
+        rlk_metrics.record(f"{prefix}workspace_mb", workspace / 1e6, unit="MB", direction="lower_is_better",
+                           space="memory", tags={"budget_mb": f"{budget / 1e6:.0f}"})
+        if workspace > budget:
+            failed[f"{variant} workspace"] = f"{workspace / 1e6:.1f} MB > budget {budget / 1e6:.1f} MB"
+    for name, err in eager_err.items():
+        rlk_metrics.record(f"eager_grad_{name}_norm_rel_err", err, direction="lower_is_better", space="error", gate=False)
+    assert not failed, (f"linear_logp, bf16, {logits} logits, vs the fp32-upcast reference (logp bound {logp_bound:.2e}: "
+                        f"tolerance {logp_tol.atol:.0e}, tensor-core products {tc_err:.2e}) and eager bf16: {failed}")
 
 
 @pytest.mark.bench
+@pytest.mark.parametrize("logits", list(LOGITS))
 @pytest.mark.parametrize("pass_name", ["fwd", "fwd+bwd"])
-def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch, pass_name):
-    """Times and peak extra memory of ours and the peers, recorded through rlk_bench.measure for the
-    roofline table; no timed asserts (speed goals are gated by baselines in the artifacts).
+def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits):
+    """Times and peak extra memory of ours (each budget) and the peers, recorded through
+    rlk_bench.measure for the roofline table; no timed asserts (speed goals are gated by baselines).
 
     HBM limit: forward reads hidden and weight once and writes T fp32 log-probs; forward+backward
     reads them twice and writes dhidden and dweight. The op is matmul-bound (2*T*H*V flops per
     matmul), so its fraction of the HBM limit is far below 1 by nature: it is recorded to compare
     implementations, not as a target."""
-    hidden, weight, ids, upstream = issue_shape
-    rlk_metrics.set_case(f"{CASE}-speed-{pass_name}")
+    hidden, weight, ids, upstream = _inputs(logits)
+    rlk_metrics.set_case(f"{_case(logits)}-speed-{pass_name}")
     operands = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
     bytes_moved = operands + T * 4 if pass_name == "fwd" else 3 * operands
-    tags = {"op": "linear_logp", "pass": pass_name, "dtype": "bf16", "shape": f"{T}x{H}x{V}"}
+    tags = {"op": "linear_logp", "pass": pass_name, "dtype": "bf16", "shape": f"{T}x{H}x{V}", "logits": logits}
     record_limit(rlk_metrics, bytes_moved, tags)
-    impls = _peers()
+    impls = _impls(pass_name)
     measured: dict[str, float] = {}
+    fns: dict[str, Callable[[], object]] = {}
     for name, impl in impls.items():
         monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "torch"))
 
@@ -157,11 +253,22 @@ def test_linear_logp_speed_vs_peers(issue_shape, rlk_metrics, monkeypatch, pass_
         def forward_backward(impl=impl):
             torch.autograd.grad(impl(hidden, weight, ids), (hidden, weight), upstream)
 
-        fn = forward if pass_name == "fwd" else forward_backward
-        measured[name] = measure(rlk_metrics, name, fn, bytes_moved, tags)
+        fns[name] = forward if pass_name == "fwd" else forward_backward
+        measure(rlk_metrics, name, fns[name], bytes_moved, tags)
+    rounds: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "torch"))
+            rounds[name].append(bench(fn, device="cuda").median_ms)
+    for name, times in rounds.items():
+        measured[name] = statistics.median(times)
+        rlk_metrics.record(f"{name}_interleaved_ms", measured[name], unit="ms", direction="lower_is_better",
+                           space="time", gate=False,
+                           tags={**tags, "impl": name, "rounds_ms": " ".join(f"{t:.3f}" for t in times)})
     summary = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in measured.items())
-    missing = sorted({"trl", "liger"} - set(impls))
-    print(f"\nlinear_logp {pass_name} {CASE} on {torch.cuda.get_device_name()}: {summary}; "
+    missing = sorted(set(PEERS) - set(impls))
+    print(f"\nlinear_logp {pass_name} {_case(logits)} on {torch.cuda.get_device_name()} (median of {ROUNDS} "
+          f"interleaved rounds): {summary}; "
           f"not importable: {missing or 'none'}")
     assert {"rlk", "eager"} <= set(impls)
     bad = {name: ms for name, ms in measured.items() if not 0.0 < ms < float("inf")}

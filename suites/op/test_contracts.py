@@ -105,18 +105,21 @@ def test_grpo_loss_takes_ignore_index_on_every_entry_point():
 
 
 def _provider_request():
+    from types import SimpleNamespace
+
     from kernels.integrations import linear_logp_provider as provider
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, 16, generator=gen).to(DEVICE).requires_grad_()
     weight = torch.randn(40, 16, generator=gen).to(DEVICE)
-    return provider, provider.LinearLogpRequest(
-        target_ids=make_ids(6, 40),
-        context=provider.LinearLogpContext(
-            hidden_states=hidden, projection=provider.Projection(weight=weight),
-            vocab_partition=provider.VocabPartition(local_start=0, local_size=40, real_vocab_size=40,
-                                                    padded_vocab_size=40),
-        ),
+    # the fork's LinearLogpRequest field names (suites/op/test_linear_logp_provider.py)
+    return provider, SimpleNamespace(
+        logits=hidden @ weight.t(), target_ids=make_ids(6, 40), tensor_parallel_group=None,
+        token_layout=SimpleNamespace(world_size=1, rank=0, layout="single"), with_entropy=False,
+        with_entropy_grad=False, chunk_size=-1, log_prob_keep_mask=None, temperature=None, metadata={},
+        context=SimpleNamespace(hidden=hidden, projection=SimpleNamespace(weight=weight, bias=None),
+                                vocab_partition=SimpleNamespace(local_start=0, local_size=40, real_size=40,
+                                                                padded_size=40)),
     )
 
 
@@ -127,9 +130,9 @@ def test_the_linear_logp_provider_goes_through_dispatch(monkeypatch):
     provider, request = _provider_request()
     result = provider.provide(request)
     assert result.backend_id == "reference/0.1.0" and "reference/0.1.0" in result.provenance["implementation"]
-    expected = reference_linear_logp.linear_logp(request.context.hidden_states, request.context.projection.weight,
+    expected = reference_linear_logp.linear_logp(request.context.hidden, request.context.projection.weight,
                                                  request.target_ids)
-    assert torch.equal(result.log_probs[:, 0], expected)
+    assert torch.equal(result.logp[:, 0], expected)
 
     backends.register_backend("logp-only-here", _LogpOnly)
     try:

@@ -5,7 +5,11 @@ standard ones come from Megatron (`--tensor-model-parallel-size` ...) and from v
 (`--rollout-max-response-len`, `--apply-chat-template`, `--entropy-coef`, `--lr`). Names moved
 between vime commits: pin `vime.commit` in the spec and check `rlk e2e plan` against it.
 
-Both arms get the same argv and env; the kernel arm additionally gets `spec.kernel_switch`.
+Both arms get the same argv and env, the loss hook included (`LOSS_HOOK_ARGS`: `--loss-type
+custom_loss` with our adapter and its init hook), so both run vime's `loss_function` the same way and
+the same forwards (with `custom_loss` vime's actor runs its old-log-prob forward in both); the kernel
+arm additionally gets `spec.kernel_switch` (the environment: `VIME_RL_KERNEL=1`). With the kernels off
+the adapter hands every call to vime's own `policy_loss_function`.
 Lanes:
 - live: both arms run the full loop (vLLM rollouts + training);
 - replay: the baseline records its rollouts (`--save-debug-rollout-data DIR/rollout_{rollout_id}.pt`),
@@ -19,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pytest_rlk.e2e.arms import ArmCommand
-from pytest_rlk.e2e.engines.vime.settings import VimeSettings
+from pytest_rlk.e2e.engines.vime.settings import LOSS_HOOK_ARGS, VimeSettings
 from pytest_rlk.e2e.placeholders import RUN_DIR_PLACEHOLDER
 from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane, SpecError
 
@@ -62,7 +66,9 @@ def shared_train_args(spec: ABSpec) -> list[str]:
     model, data, hp, par = spec.model, spec.dataset, spec.hyperparameters, spec.parallelism
     args = ["--hf-checkpoint", model.hf_checkpoint]
     if vime.checkpoint_mode == "bridge":
-        args += ["--megatron-to-hf-mode", "bridge", "--ref-load", model.hf_checkpoint]
+        # the HF checkpoint is loaded as is (vime's Megatron bridge); `--megatron-to-hf-mode` is not a
+        # flag at the pinned commits, so none is passed
+        args += ["--ref-load", model.hf_checkpoint]
     else:
         assert model.ref_load is not None  # ABSpec validation guarantees it
         args += ["--ref-load", model.ref_load]
@@ -100,7 +106,7 @@ def shared_train_args(spec: ABSpec) -> list[str]:
         args.append("--ci-test")
     if vime.fault_tolerance:
         args.append("--use-fault-tolerance")
-    return args + list(vime.extra_args)
+    return args + list(LOSS_HOOK_ARGS) + list(vime.extra_args)
 
 
 def shared_env(spec: ABSpec, *, vime_root: str, suite_root: str) -> dict[str, str]:

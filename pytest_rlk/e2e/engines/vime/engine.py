@@ -13,11 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.arms import ArmCommand
-from pytest_rlk.e2e.engine import ArmLayout, ArmReading, EngineOption, ReportExtras, RunContext, StepProgress
+from pytest_rlk.e2e.engine import (
+    ArmLayout,
+    ArmReading,
+    EngineOption,
+    ReportExtras,
+    RunContext,
+    StepProgress,
+)
 from pytest_rlk.e2e.engines.vime import commands
 from pytest_rlk.e2e.engines.vime.log import (
-    VIME_KEY_MAP, VimeLogError, metric_line, parse_metric_dict, parse_vime_log,
+    VIME_KEY_MAP,
+    VimeLogError,
+    metric_line,
+    parse_metric_dict,
+    parse_vime_log,
 )
 from pytest_rlk.e2e.engines.vime.settings import VimeSettings
 from pytest_rlk.e2e.launcher import ArmResult, LaunchConfig
@@ -54,6 +66,21 @@ def check_vime_root(spec: ABSpec, vime_root: Path, *, entry: str | None) -> str 
     return commit
 
 
+def gap_findings(command: ArmCommand, gaps: Mapping[str, list[int]]) -> tuple[list[str], list[str]]:
+    """(problems, notes) for metrics missing at some rollouts: a metric the lane gates is a problem
+    naming metric, arm and rollouts; any other is kept as a gap and noted."""
+    problems, notes = [], []
+    for name, rollouts in gaps.items():
+        policy = m.E2E_METRICS.get(name)
+        gated = policy is not None and policy.gated and name not in m.NEVER_COMPARED and (
+            policy.live if command.lane == "live" else policy.replay_per_step)
+        if gated or name == m.FALLBACK_COUNT:
+            problems.append(f"{command.label} ({command.lane} lane): gated metric {name!r} missing at rollouts {rollouts}")
+        else:
+            notes.append(f"{command.label}: {name!r} missing at rollouts {rollouts} (kept as gaps; not gated)")
+    return problems, notes
+
+
 class VimeEngine:
     name = "vime"
     settings_model = VimeSettings
@@ -64,7 +91,7 @@ class VimeEngine:
         "own R3: the comparison shows compatibility with R3, not a replacement of it."
     )
     options = (
-        EngineOption("--vime-root", "vime checkout (the fork, for the kernel switches): required to run; a plan "
+        EngineOption("--vime-root", "vime checkout at the spec's pinned commit: required to run; a plan "
                      "shows ${VIME_ROOT} without it"),
         EngineOption("--mode", "ray: own Ray head + ray job submit (default); local: plain subprocess",
                      default="ray", choices=("ray", "local")),
@@ -104,8 +131,15 @@ class VimeEngine:
         TensorBoard events where there are any."""
         reading = ArmReading()
         log = parse_vime_log(result.log_path)
+        steps = steps_per_rollout(spec)
         try:
-            reading.series = log.series(steps_per_rollout(spec))
+            reading.series = log.series(steps)
+            gap_problems, gap_notes = gap_findings(command, log.gaps(steps))
+            reading.problems += gap_problems
+            reading.notes += gap_notes
+            replays = "--load-debug-rollout-data" in command.lane_args
+            reading.notes += [f"{command.label}: expected line never came: {line}"
+                              for line in log.missing_lines(steps, replays_rollouts=replays)]
         except VimeLogError as exc:
             reading.problems.append(f"{command.label}: unusable metrics in {result.log_path}: {exc}")
         if log.malformed:

@@ -2,12 +2,21 @@
 
 vime logs every metric dict as a Python dict repr on one line (vime-facts.md, "Metrics"):
 
-    [2026-11-22 07:00:00] train.py:88 - rollout 3: {'rollout/raw_reward': np.float64(0.5), ...}
+    [2026-11-22 07:00:00] train_metric_utils.py:135 - rollout 3: {'rollout/raw_reward': np.float64(0.5), ...}
 
+(vime's logging format, `[date time<prefix>] file:line - message`, the prefix e.g. ` fully-async-0`.)
 Under Ray the line is preceded by `(ActorName pid=N) ` (sometimes with `, ip=...`), possibly with
-ANSI colours, and Ray may append `[repeated 3x across cluster]`. Kinds: `rollout N`, `step N`,
-`perf N` (two lines per rollout, rollout manager and trainer: merged by key) and `eval N`.
+ANSI colours, and Ray may append `[repeated 3x across cluster]`. Kinds: `rollout N` (the trainer's
+rollout data), `step N` (the trainer's global step; `critic-step N` is kept apart, never mixed into
+the actor's series), `perf N` (two lines per rollout, merged by key: the trainer's, with
+`perf/train_time`, and the rollout manager's, with `perf/rollout_time`; the latter is not printed
+when the arm replays recorded rollouts, `--load-debug-rollout-data`) and `eval N`.
 Values may print as `np.float64(x)`; `nan`/`inf` print bare.
+
+vime's metric sets differ between rollouts (e.g. `perf/update_weights_time` from the second rollout
+on) and between lanes: `series` keeps a metric missing at some rollouts as NaN gaps, `gaps` names
+them, and `missing_lines` lists the expected lines that never came. Whether a gap matters is the
+gate's business (a gated metric's gap is a problem of the arm; the engine decides).
 
 A line that announces a metric dict but cannot be read is kept as a `MalformedLine` (never
 silently dropped); `parse_vime_log(..., strict=True)` raises on the first one instead.
@@ -54,20 +63,28 @@ VIME_KEY_MAP: dict[str, str] = {
     "train/rlk_fallback": m.FALLBACK_COUNT,
 }
 
-# Evidence lines of a fallback: the fork's provider path and our dispatcher's WARNING.
+# Evidence lines of a fallback: the fork's provider path (its WARNING when a provider is unavailable),
+# our dispatcher's WARNING and the vime adapter's (a configuration handed to vime's loss).
 FALLBACK_LINE = re.compile(
     r"Falling back to vime logprob path because RL-Kernel \S+ is unavailable|"
-    r"kernels: \S+ falls back to reference:"
+    r"linear_logp provider \S+ is unavailable; using native path|"
+    r"kernels: \S+ falls back to reference:|"
+    r"kernels: \S+ falls back to vime's native loss:"
 )
 PROVIDER_ACTIVE_LINE = re.compile(r"linear_logp provider active:")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RAY_PREFIX = re.compile(r"^\s*\([A-Za-z_][\w.:-]*(?: pid=\d+)?(?:, ip=[\w.:-]+)?\)\s*")
 _RAY_REPEAT = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
-_LOG_PREFIX = re.compile(r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]\s+[\w./-]+:\d+\s+-\s+")
-_METRIC_LINE = re.compile(r"^(rollout|step|perf|eval) (-?\d+): (.*)$")
+_LOG_PREFIX = re.compile(r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?: [^\]]*)?\]\s+[\w./-]+:\d+\s+-\s+")
+_METRIC_LINE = re.compile(r"^(rollout|step|critic-step|perf|eval) (-?\d+): (.*)$")
 _NUMPY_SCALARS = frozenset({"float64", "float32", "float16", "int64", "int32", "bool_"})
-KINDS: tuple[str, ...] = ("rollout", "step", "perf", "eval")
+KINDS: tuple[str, ...] = ("rollout", "step", "critic-step", "perf", "eval")
+# Keys that identify each perf line of a rollout (the two lines merge by key).
+TRAINER_PERF_KEY = "perf/train_time"
+ROLLOUT_MANAGER_PERF_KEY = "perf/rollout_time"
+# Present from the second rollout on (no weight sync before the first rollout): not a gap.
+_LATE_KEYS = frozenset({"perf/update_weights_time"})
 
 
 class VimeLogError(ValueError):
@@ -101,13 +118,7 @@ class VimeLog:
         ids = set(self.records["rollout"]) | set(self.records["perf"])
         return sorted(ids)
 
-    def series(self, steps_per_rollout: int = 1) -> m.ArmSeries:
-        """Canonical per-rollout series; train steps are averaged within their rollout.
-
-        `step N` lines are the trainer's global step: rollout = N // steps_per_rollout. A metric
-        missing at some rollout is an error naming the metric and the rollout (series must be
-        aligned with the rollout index for windows to mean the same rollouts in both arms).
-        """
+    def _by_rollout(self, steps_per_rollout: int) -> dict[int, dict[str, list[float]]]:
         if steps_per_rollout < 1:
             raise ValueError(f"steps_per_rollout must be >= 1, got {steps_per_rollout}")
         by_rollout: dict[int, dict[str, list[float]]] = {}
@@ -120,11 +131,21 @@ class VimeLog:
             slot = by_rollout.setdefault(step // steps_per_rollout, {})
             for key, value in values.items():
                 slot.setdefault(key, []).append(value)
-        if not by_rollout:
-            return {}
         rollouts = sorted(by_rollout)
-        if rollouts != list(range(rollouts[0], rollouts[0] + len(rollouts))):
+        if rollouts and rollouts != list(range(rollouts[0], rollouts[0] + len(rollouts))):
             raise VimeLogError(f"rollout ids are not contiguous: {rollouts}")
+        return by_rollout
+
+    def series(self, steps_per_rollout: int = 1) -> m.ArmSeries:
+        """Canonical per-rollout series; train steps are averaged within their rollout.
+
+        `step N` lines are the trainer's global step: rollout = N // steps_per_rollout. Series stay
+        aligned with the rollout index: a metric missing at some rollout holds NaN there (`gaps` names
+        them), except keys that start late (`perf/update_weights_time`), whose series start at their
+        first value.
+        """
+        by_rollout = self._by_rollout(steps_per_rollout)
+        rollouts = sorted(by_rollout)
         out: m.ArmSeries = {}
         names: dict[str, str] = {}
         for rid in rollouts:
@@ -135,16 +156,70 @@ class VimeLog:
             for rid in rollouts:
                 values = by_rollout[rid].get(key)
                 if values is None:
-                    # update_weights_time has no value before the first sync: not a gap.
-                    if key == "perf/update_weights_time" and not column:
+                    if key in _LATE_KEYS and not column:
                         continue
-                    raise VimeLogError(f"metric {key!r} missing at rollout {rid}")
-                column.append(math.fsum(values) / len(values))
+                    column.append(math.nan)
+                else:
+                    column.append(math.fsum(values) / len(values))
             if name in out:  # two vime keys for one canonical metric (fallback counters)
-                out[name] = [max(a, b) for a, b in zip(out[name], column, strict=True)]
+                out[name] = [_nanmax(a, b) for a, b in zip(out[name], column, strict=True)]
             else:
                 out[name] = column
         return out
+
+    def gaps(self, steps_per_rollout: int = 1) -> dict[str, list[int]]:
+        """Canonical metric -> the rollouts it is missing at (metrics present at some rollouts only)."""
+        by_rollout = self._by_rollout(steps_per_rollout)
+        out: dict[str, set[int]] = {}
+        keys = {key for slot in by_rollout.values() for key in slot}
+        for key in keys:
+            present = [rid for rid in sorted(by_rollout) if key in by_rollout[rid]]
+            start = present[0] if key in _LATE_KEYS else min(by_rollout)
+            missing = [rid for rid in sorted(by_rollout) if rid >= start and key not in by_rollout[rid]]
+            if missing:
+                out.setdefault(VIME_KEY_MAP.get(key, key), set()).update(missing)
+        return {name: sorted(rids) for name, rids in sorted(out.items())}
+
+    def missing_lines(self, steps_per_rollout: int = 1, *, replays_rollouts: bool = False) -> list[str]:
+        """The metric lines vime prints for every rollout that this log lacks, one entry per kind of
+        line: the trainer's `rollout N` line, its `step` lines, the trainer's `perf` line and (unless the
+        arm replays recorded rollouts, where vime prints none) the rollout manager's `perf` line."""
+        rollouts = sorted(self._by_rollout(steps_per_rollout))
+        if not rollouts:
+            return []
+        expected = {
+            "trainer 'rollout N' line": lambda rid: rid in self.records["rollout"],
+            f"{steps_per_rollout} trainer 'step' line(s)": lambda rid: all(
+                rid * steps_per_rollout + k in self.records["step"] for k in range(steps_per_rollout)),
+            f"trainer 'perf N' line ({TRAINER_PERF_KEY})": lambda rid: TRAINER_PERF_KEY in self.records["perf"].get(rid, {}),
+        }
+        if not replays_rollouts:
+            expected[f"rollout manager 'perf N' line ({ROLLOUT_MANAGER_PERF_KEY})"] = (
+                lambda rid: ROLLOUT_MANAGER_PERF_KEY in self.records["perf"].get(rid, {}))
+        out = []
+        for what, present in expected.items():
+            missing = [rid for rid in rollouts if not present(rid)]
+            if missing:
+                out.append(f"{what} missing at rollouts {_ranges(missing)}")
+        return out
+
+
+def _nanmax(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    return a if math.isnan(b) else max(a, b)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts, start = [], None
+    for i, rid in enumerate(ids):
+        if start is None:
+            start = rid
+        if i + 1 == len(ids) or ids[i + 1] != rid + 1:
+            parts.append(str(start) if start == rid else f"{start}-{rid}")
+            start = None
+    return ", ".join(parts)
 
 
 def _strip(line: str) -> str:

@@ -9,6 +9,17 @@ from pydantic import Field, model_validator
 
 from pytest_rlk.e2e.spec import ABSpec, EngineSettings
 
+# Both arms install our loss through vime's hooks; the kernel switch (environment) decides whether
+# the kernels or vime's own policy_loss_function compute it. A kernel switch may not change the loss
+# path: vime's actor decides its forwards from --loss-type (an extra old-log-prob forward with
+# custom_loss), so the arms would do different work.
+LOSS_HOOK_ARGS = (
+    "--loss-type", "custom_loss",
+    "--custom-loss-function-path", "kernels.integrations.vime.policy_loss",
+    "--custom-megatron-init-path", "kernels.integrations.vime.init_hook",
+)
+LOSS_PATH_FLAGS = frozenset({"--loss-type", "--custom-loss-function-path", "--custom-megatron-init-path"})
+
 
 class VimeSettings(EngineSettings):
     commit: str | None = Field(
@@ -41,6 +52,12 @@ class VimeSettings(EngineSettings):
         return self
 
     def check_spec(self, spec: ABSpec) -> None:
+        switched = sorted({a.split("=", 1)[0] for a in spec.kernel_switch.args} & LOSS_PATH_FLAGS)
+        if switched:
+            raise ValueError(
+                f"kernel_switch.args sets {switched}: both vime arms install the loss hook (the engine adds "
+                f"{' '.join(LOSS_HOOK_ARGS)}); the kernel switch is the environment (VIME_RL_KERNEL=1)"
+            )
         par, hw = spec.parallelism, spec.hardware
         actor_gpus = par.actor_num_gpus_per_node * hw.nodes
         used = actor_gpus if par.colocate else actor_gpus + par.rollout_num_gpus

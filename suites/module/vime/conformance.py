@@ -1,0 +1,461 @@
+"""vime conformance helpers: import vime's REAL modules from a checkout and run its own call sites on CPU.
+
+Plain functions (no pytest): the conftest turns them into fixtures.
+
+* ``use_vime_root(root)``: put a checkout on ``sys.path`` and import ``vime.backends.megatron_utils.loss``
+  (the module whose ``loss_function`` dispatches ``--loss-type policy_loss`` / ``custom_loss``).
+* ``init_single_rank_megatron()``: one gloo rank on loopback plus Megatron's model-parallel state
+  (TP = CP = DP = 1), which ``loss_function`` queries through ``megatron.core.mpu``.
+* ``vime_args(**overrides)``: the attributes vime's loss path reads, with the defaults of vime's parser.
+* ``packed_batch(...)``: vime's packed micro-batch (``RolloutBatch``) with ``rollout_mask_sums``.
+* ``run_loss_function(loss_module, args, batch, logits)``: vime's ``loss_function`` with a fresh
+  leaf for the logits; returns the scaled loss, dlogits and the logged ``{key: value}``.
+* ``parse_train_argv(root, argv)``: a ``train.py`` command line through vime's own parser phases
+  (``vime/utils/arguments.py``: the pre-parser, the vLLM parser, Megatron's parser with vime's
+  arguments); returns the namespace and the flags none of them knows (vime ignores those silently).
+* ``model_args(root, script)``: the ``MODEL_ARGS`` array a vime model script defines (sourced by bash).
+* ``source_function`` / ``source_statement``: one function or statement of a vime file, compiled from
+  the file itself, for call sites whose modules drag in what cannot be imported here (Ray actors,
+  torch_memory_saver, CUDA-only Megatron init).
+
+Shapes: logits fp32 ``[1, T, V]`` (T = sum of total lengths); per-sample tensors ``[R_i]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from argparse import Namespace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+LOSS_MODULE = "vime.backends.megatron_utils.loss"
+PROVIDER_MODULE = "vime.backends.megatron_utils.linear_logp_provider"
+PPO_UTILS_MODULE = "vime.utils.ppo_utils"
+ARGUMENTS_MODULE = "vime.utils.arguments"
+MEGATRON_ARGUMENTS_MODULE = "vime.backends.megatron_utils.arguments"
+VLLM_ARGUMENTS_MODULE = "vime.backends.vllm_utils.arguments"
+ACTOR_FILE = "vime/backends/megatron_utils/actor.py"
+INITIALIZE_FILE = "vime/backends/megatron_utils/initialize.py"
+TRAIN_METRIC_UTILS_FILE = "vime/observability/train_metric_utils.py"
+OUR_CUSTOM_LOSS = "kernels.integrations.vime.policy_loss"
+OUR_INIT_HOOK = "kernels.integrations.vime.init_hook"
+OUR_PROVIDER = "kernels.integrations.linear_logp_provider.provide"
+
+
+class VimeTreeError(RuntimeError):
+    """A vime root that does not hold the modules the conformance suite imports."""
+
+
+def _drop_vime_modules() -> None:
+    for name in [n for n in sys.modules if n == "vime" or n.startswith("vime.")]:
+        del sys.modules[name]
+
+
+def use_vime_root(root: Path, module: str = LOSS_MODULE, preload: Mapping[str, ModuleType] | None = None):
+    """Import ``module`` from the vime checkout at ``root`` (first on ``sys.path``; earlier vime imports dropped).
+
+    ``preload`` puts modules into ``sys.modules`` after the drop and before the import: the stand-ins
+    the caller names for modules that cannot be imported here (the conftest labels each one)."""
+    root = Path(root).resolve()
+    if not (root / "vime").is_dir():
+        raise VimeTreeError(f"{root} is not a vime checkout: it has no vime/ package directory")
+    source = root / (module.replace(".", "/") + ".py")
+    if not source.is_file():
+        raise VimeTreeError(f"{root} has no {source.relative_to(root)} (needed for {module})")
+    while str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
+    _drop_vime_modules()
+    sys.modules.update(preload or {})
+    imported = importlib.import_module(module)
+    if not str(Path(imported.__file__).resolve()).startswith(str(root)):
+        raise VimeTreeError(f"{module} was imported from {imported.__file__}, not from {root}")
+    return imported
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_single_rank_megatron() -> None:
+    """One-process gloo group on 127.0.0.1 and Megatron's parallel state with every size 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_loopback_port()}",
+                                world_size=1, rank=0)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+# The attributes vime's loss path reads (loss_function, policy_loss_function, get_log_probs_and_entropy,
+# vanilla_tis_function / icepop_function, get_pg_loss_type), with the defaults vime's own parser gives
+# them (vime/utils/arguments.py, Megatron's --calculate-per-token-loss).
+LOSS_ARG_DEFAULTS: dict[str, object] = {
+    "loss_type": "policy_loss",
+    "custom_loss_function_path": None,
+    "custom_tis_function_path": None,
+    "custom_pg_loss_reducer_function_path": None,
+    "calculate_per_token_loss": False,
+    "recompute_loss_function": False,
+    "allgather_cp": False,
+    "rollout_temperature": 1.0,
+    "rollout_top_p": 1.0,
+    "log_probs_chunk_size": -1,
+    "advantage_estimator": "grpo",
+    "pg_loss_type": None,
+    "use_score_centering": False,
+    "eps_clip": 0.2,
+    "eps_clip_high": 0.28,
+    "eps_clip_c": None,
+    "entropy_coef": 0.0,
+    "use_kl_loss": True,
+    "kl_loss_coef": 0.01,
+    "kl_loss_type": "low_var_kl",
+    "use_unbiased_kl": False,
+    "use_rollout_logprobs": False,
+    "get_mismatch_metrics": False,
+    "use_tis": False,
+    "tis_clip": 2.0,
+    "tis_clip_low": 0.0,
+    "use_opsm": False,
+    "opsm_delta": 1e-4,
+    "tensor_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "qkv_format": "thd",
+}
+
+
+def vime_args(**overrides: object) -> Namespace:
+    unknown = sorted(set(overrides) - set(LOSS_ARG_DEFAULTS))
+    if unknown:
+        raise KeyError(f"not an attribute of vime's loss path: {unknown}")
+    return Namespace(**{**LOSS_ARG_DEFAULTS, **overrides})
+
+
+@dataclass
+class Case:
+    batch: dict
+    logits: torch.Tensor  # [1, T, V] fp32
+
+
+def packed_batch(*, seed: int = 0, vocab: int = 48, prompt_lengths: Sequence[int] = (5, 3, 4, 6),
+                 response_lengths: Sequence[int] = (7, 9, 4, 6), rollout_ids: Sequence[int] | None = None,
+                 logit_scale: float = 2.0, drift: float = 0.3) -> Case:
+    """A micro-batch the way vime's actor hands it to ``loss_function`` (cp = 1).
+
+    ``rollout_ids`` groups samples that come from one rollout execution: vime's per-sample denominator
+    ``rollout_mask_sums[i]`` is then the sum of the loss-mask totals of every sample of that rollout.
+    ``drift`` separates the old / rollout / ref log-probs from the current policy so ratios clip.
+    """
+    g = torch.Generator().manual_seed(seed)
+    totals = [p + r for p, r in zip(prompt_lengths, response_lengths)]
+    tokens = [torch.randint(0, vocab, (t,), generator=g) for t in totals]
+    logits = (torch.randn(1, sum(totals), vocab, generator=g) * logit_scale).float()
+    with torch.no_grad():
+        rows = []
+        end = 0
+        for tok, total, resp in zip(tokens, totals, response_lengths):
+            end += total
+            lp = torch.log_softmax(logits[0, end - resp - 1:end - 1], dim=-1)
+            rows.append(lp.gather(-1, tok[-resp:, None]).squeeze(-1))
+
+    def near(x: torch.Tensor) -> torch.Tensor:
+        return x + drift * torch.randn(x.shape, generator=g)
+
+    masks = []
+    for resp in response_lengths:
+        m = torch.ones(resp)
+        if resp > 3:
+            m[torch.randint(0, resp, (1,), generator=g)] = 0.0
+        masks.append(m)
+    ids = list(rollout_ids) if rollout_ids is not None else list(range(len(totals)))
+    per_rollout = {}
+    for rid, m in zip(ids, masks):
+        per_rollout[rid] = per_rollout.get(rid, 0.0) + float(m.sum())
+    rewards = torch.randn(len(totals), generator=g)
+    batch = {
+        "unconcat_tokens": tokens,
+        "tokens": torch.cat(tokens),
+        "total_lengths": totals,
+        "response_lengths": list(response_lengths),
+        "loss_masks": masks,
+        "log_probs": [near(r) for r in rows],
+        "ref_log_probs": [near(r) for r in rows],
+        "rollout_log_probs": [near(r) for r in rows],
+        "advantages": [torch.full((resp,), float(a)) for resp, a in zip(response_lengths, rewards)],
+        "rollout_mask_sums": [torch.tensor(per_rollout[rid]) for rid in ids],
+    }
+    return Case(batch=batch, logits=logits)
+
+
+@dataclass
+class LossRun:
+    loss: torch.Tensor  # the scaled loss loss_function returns (what Megatron backpropagates)
+    grad: torch.Tensor  # d loss / d logits, [1, T, V]
+    metrics: dict[str, float]  # the keys/values loss_function logs (vime prefixes them with train/)
+    normalizer: torch.Tensor
+    log: dict = field(default_factory=dict)  # loss_function's {"keys": [...], "values": tensor} as returned
+
+
+def run_loss_function(loss_module, args: Namespace, case: Case, *, num_microbatches: int = 1,
+                      step_global_batch_size: int | None = None) -> LossRun:
+    """vime's ``loss_function(args, batch, num_microbatches, step_global_batch_size, logits)``."""
+    leaf = case.logits.clone().requires_grad_(True)
+    gbs = step_global_batch_size or len(case.batch["total_lengths"])
+    loss, normalizer, log = loss_module.loss_function(args, case.batch, num_microbatches, gbs, leaf)
+    loss.backward()
+    values = log["values"].detach()
+    metrics = {key: float(v) for key, v in zip(log["keys"], values[1:].tolist())}
+    return LossRun(loss=loss.detach(), grad=leaf.grad.detach(), metrics=metrics, normalizer=normalizer,
+                   log={"keys": list(log["keys"]), "values": values.clone()})
+
+
+def our_custom_loss_args(args: Namespace) -> Namespace:
+    """The same settings with our adapter installed through vime's custom-loss hook."""
+    return Namespace(**{**vars(args), "loss_type": "custom_loss", "custom_loss_function_path": OUR_CUSTOM_LOSS})
+
+
+def environment_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+# --- vime's argument parser -------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedArgv:
+    """What vime's parser phases make of one ``train.py`` command line."""
+
+    namespace: Namespace  # Megatron's parser with vime's arguments (megatron_parse_args, HF check skipped)
+    unknown: list[str]  # flags no phase knows, in command-line order (vime drops them without a word)
+
+
+def _flags(tokens: Sequence[str]) -> list[str]:
+    return [t.split("=", 1)[0] for t in tokens if t.startswith("-") and len(t) > 1 and not _is_number(t)]
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+@contextmanager
+def _argv(argv: Sequence[str]) -> Iterator[None]:
+    saved = sys.argv
+    sys.argv = ["train.py", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+@contextmanager
+def _recording_leftovers(leftovers: list[list[str]]) -> Iterator[None]:
+    """Record what every ``ArgumentParser.parse_known_args`` call leaves over (the real method runs)."""
+    original = argparse.ArgumentParser.parse_known_args
+
+    def recording(self, args=None, namespace=None):
+        parsed, rest = original(self, args, namespace)
+        leftovers.append(list(rest))
+        return parsed, rest
+
+    argparse.ArgumentParser.parse_known_args = recording
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+
+
+def parse_train_argv(root: Path, argv: Sequence[str],
+                     preload: Mapping[str, ModuleType] | None = None) -> ParsedArgv:
+    """Parse ``argv`` the way ``train.py``'s ``parse_args`` does (``vime/utils/arguments.py``).
+
+    vime parses the command line three times, each with ``parse_known_args``: ``_pre_parse_mode``
+    (``--train-backend``, ``--debug-*``, ``--load-debug-rollout-data``), ``vllm_parse_args`` (the
+    ``--vllm-*`` flags, skipped in train-only runs) and Megatron's ``parse_args(extra_args_provider=
+    get_vime_extra_args_provider(), ignore_unknown_args=True)`` inside ``megatron_parse_args``. A flag
+    none of the three knows is dropped silently; here it is returned in ``unknown``. All three phases
+    run even for a train-only command line, so a vLLM flag counts as known there too (vime ignores it
+    in that mode by design). ``megatron_parse_args`` runs with ``skip_hf_validate=True``: the HF
+    checkpoint a spec names is a placeholder here, and comparing its config is not flag parsing.
+    """
+    arguments = use_vime_root(root, ARGUMENTS_MODULE, preload)
+    vllm_arguments = importlib.import_module(VLLM_ARGUMENTS_MODULE)
+    megatron_arguments = importlib.import_module(MEGATRON_ARGUMENTS_MODULE)
+    leftovers: list[list[str]] = []
+    with _argv(argv), _recording_leftovers(leftovers):
+        try:
+            arguments._pre_parse_mode()
+            vllm_arguments.vllm_parse_args()
+            namespace = megatron_arguments.megatron_parse_args(
+                extra_args_provider=arguments.get_vime_extra_args_provider(), skip_hf_validate=True)
+        except SystemExit as exc:  # argparse's error(): a bad value for a known flag
+            raise ValueError(f"vime's parser rejected the command line (exit {exc.code}); argparse's "
+                             f"message is in the captured stderr: {shlex.join(argv)}") from None
+    unknown_sets = [set(_flags(rest)) for rest in leftovers]
+    unknown = set.intersection(*unknown_sets) if unknown_sets else set()
+    return ParsedArgv(namespace=namespace, unknown=[f for f in dict.fromkeys(_flags(argv)) if f in unknown])
+
+
+def model_args(root: Path, script: str) -> list[str]:
+    """The ``MODEL_ARGS`` bash array a vime model script (``scripts/models/*.sh``) defines.
+
+    The e2e planner runs ``bash -c 'source "$0" && exec "$@" "${MODEL_ARGS[@]}"' SCRIPT python3
+    train.py ...``: the script's array is appended to the command line; this sources it the same way.
+    """
+    path = Path(root) / script
+    if not path.is_file():
+        raise VimeTreeError(f"{root} has no {script} (the model script the spec sources for MODEL_ARGS)")
+    out = subprocess.run(["bash", "-c", 'source "$0" && printf "%s\\0" "${MODEL_ARGS[@]}"', str(path)],
+                         capture_output=True, text=True, timeout=30, check=False, env={"PATH": os.environ["PATH"]})
+    if out.returncode != 0:
+        raise VimeTreeError(f"sourcing {path} failed ({out.returncode}): {out.stderr.strip()}")
+    return [a for a in out.stdout.split("\0") if a]
+
+
+# --- single functions / statements of vime files ----------------------------------------------------
+
+
+def _parse_file(root: Path, relpath: str) -> tuple[Path, ast.Module]:
+    path = Path(root) / relpath
+    if not path.is_file():
+        raise VimeTreeError(f"{root} has no {relpath}")
+    return path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _find_function(tree: ast.AST, qualname: str, path: Path) -> ast.FunctionDef:
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        found = next((n for n in ast.iter_child_nodes(node)
+                      if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        if found is None:
+            raise VimeTreeError(f"{path} has no {qualname}")
+        node = found
+    assert isinstance(node, ast.FunctionDef)
+    return node
+
+
+def source_function(root: Path, relpath: str, name: str, namespace: dict) -> Callable:
+    """Compile the top-level function ``name`` of a vime file alone, with the globals in ``namespace``.
+
+    For a function whose module imports what cannot run here: the function's own text from the
+    checkout runs, its module's other imports do not."""
+    path, tree = _parse_file(root, relpath)
+    node = _find_function(tree, name, path)
+    module = ast.Module(body=[node], type_ignores=[])
+    scope = dict(namespace)
+    exec(compile(module, str(path), "exec"), scope)  # noqa: S102 - the checkout's own function text
+    return scope[name]
+
+
+@dataclass
+class SourceStatement:
+    """One statement (or expression) of a vime function, compiled from the checkout with its line."""
+
+    path: Path
+    lineno: int
+    code: object  # a code object: exec for statements, eval for expressions
+
+    def where(self) -> str:
+        return f"{self.path.name}:{self.lineno}"
+
+
+def source_statement(root: Path, relpath: str, function: str, match: Callable[[ast.AST], bool], *,
+                     part: Callable[[ast.AST], ast.AST] | None = None) -> SourceStatement:
+    """The first node of ``function`` (``Class.method`` allowed) for which ``match`` holds, compiled
+    alone. ``part`` picks an expression of that node (e.g. an ``if``'s test) to compile for ``eval``;
+    without it the statement itself is compiled for ``exec``."""
+    path, tree = _parse_file(root, relpath)
+    func = _find_function(tree, function, path)
+    node = next((n for n in ast.walk(func) if match(n)), None)
+    if node is None:
+        raise VimeTreeError(f"{path}: {function} has no statement of the shape the conformance suite reads")
+    if part is not None:
+        code = compile(ast.Expression(body=part(node)), str(path), "eval")
+    else:
+        code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec")
+    return SourceStatement(path=path, lineno=node.lineno, code=code)
+
+
+def _assigns(name: str) -> Callable[[ast.AST], bool]:
+    return lambda n: (isinstance(n, ast.Assign) and len(n.targets) == 1
+                      and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name)
+
+
+def _reads(name: str) -> Callable[[ast.AST], bool]:
+    return lambda n: isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+
+
+def _sets_args_attr(name: str) -> Callable[[ast.AST], bool]:
+    return lambda n: (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Attribute)
+                      and isinstance(n.targets[0].value, ast.Name) and n.targets[0].value.id == "args"
+                      and n.targets[0].attr == name)
+
+
+def _if_on_args_attr(name: str) -> Callable[[ast.AST], bool]:
+    return lambda n: (isinstance(n, ast.If) and isinstance(n.test, ast.Attribute)
+                      and isinstance(n.test.value, ast.Name) and n.test.value.id == "args" and n.test.attr == name)
+
+
+# The attributes the actor's forward decision reads that vime_validate_args derives after parsing
+# (validation as a whole needs the checkpoints and vime.data.checkpoint): the statements that set them.
+VALIDATE_DERIVED = {
+    "use_critic": _sets_args_attr("use_critic"),
+    "use_routing_replay": _if_on_args_attr("use_rollout_routing_replay"),
+}
+
+
+def apply_validate_derivations(root: Path, args: Namespace) -> list[str]:
+    """Run vime_validate_args's own statements that derive ``use_critic`` / ``use_routing_replay``."""
+    where = []
+    for match in VALIDATE_DERIVED.values():
+        statement = source_statement(root, "vime/utils/arguments.py", "vime_validate_args", match)
+        exec(statement.code, {}, {"args": args})  # noqa: S102 - the checkout's own statement
+        where.append(statement.where())
+    return where
+
+
+@dataclass
+class ForwardPlan:
+    """Which log-prob forwards vime's actor runs for one rollout (``MegatronTrainRayActor.train_actor``)."""
+
+    reuses_training_forward: bool  # can_reuse_log_probs_in_loss: old log-probs come from the loss's own forward
+    extra_log_prob_forward: bool  # compute_log_prob(store_prefix="") inside timer("train")
+    where: str
+
+
+def actor_forward_plan(root: Path, args: Namespace, num_steps_per_rollout: int) -> ForwardPlan:
+    """Evaluate vime's own decision against parsed ``args``: the ``can_reuse_log_probs_in_loss``
+    assignment and the test of the ``if`` that guards the extra ``compute_log_prob``, both compiled
+    from the checkout's actor.py (``num_microbatches`` holds one entry per training step)."""
+    method = "MegatronTrainRayActor.train_actor"
+    decision = source_statement(root, ACTOR_FILE, method, _assigns("can_reuse_log_probs_in_loss"))
+    guard = source_statement(
+        root, ACTOR_FILE, method,
+        lambda n: isinstance(n, ast.If) and any(_reads("can_reuse_log_probs_in_loss")(m) for m in ast.walk(n.test)),
+        part=lambda n: n.test)
+    scope = {"self": Namespace(args=args), "num_microbatches": [1] * num_steps_per_rollout}
+    exec(decision.code, {}, scope)  # noqa: S102 - the checkout's own statement
+    extra = eval(guard.code, {}, scope)
+    return ForwardPlan(reuses_training_forward=bool(scope["can_reuse_log_probs_in_loss"]),
+                       extra_log_prob_forward=bool(extra),
+                       where=f"{decision.where()} (decision), {guard.where()} (extra forward)")

@@ -1,0 +1,140 @@
+"""Fixtures of the vime conformance suite (marker ``vime``; the fork's provider: ``vime_fork``).
+
+``--rlk-vime-root`` names an upstream vime checkout (or a tree rebuilt from its files at a pinned
+commit), ``--rlk-vime-fork-root`` a checkout of the RL-Align fork. Without them every test here skips
+with the reason (the ``vime`` marker's check in pytest_rlk/markers.py; ``vime_fork`` below).
+
+Stand-ins (only where a module cannot be imported here; each named in ``parser_stand_ins``):
+``vllm.engine.arg_utils`` when vLLM is not importable (vime's vLLM parser then knows only vime's own
+``--vllm-*`` extras; engine flags are reported as unverifiable, never as known), and
+``vime.observability.wandb_utils`` when the vime root lacks it (the stored copies of vime at the pinned
+commit do not hold that file; the parser only calls ``logging_utils.configure_logger``).
+
+vime's ``torch.compile``-decorated helpers (``compute_policy_loss``, ``compute_approx_kl``,
+``compute_cispo_loss``) run eagerly here (``TORCHDYNAMO_DISABLE=1`` unless the caller set it):
+inductor compiles a C++ kernel per dynamic shape, minutes on a 2-core CPU, for the same math.
+Nothing else of vime is stubbed: a module that cannot be imported is an error naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from suites.module.vime import conformance  # noqa: E402
+
+
+def _root(config, option: str) -> Path | None:
+    value = config.getoption(option)
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_dir():
+        raise pytest.UsageError(f"--{option.replace('_', '-')}: {value!r} is not a directory")
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    fork_root = _root(config, "rlk_vime_fork_root")
+    for item in items:
+        if item.get_closest_marker("vime_fork") is not None and fork_root is None:
+            item.add_marker(pytest.mark.skip(reason="needs the RL-Align vime fork (--rlk-vime-fork-root not given)"))
+
+
+@pytest.fixture(scope="session")
+def vime_root(request) -> Path:
+    root = _root(request.config, "rlk_vime_root")
+    assert root is not None, "the vime marker guarantees --rlk-vime-root"
+    return root
+
+
+@pytest.fixture(scope="session")
+def vime_fork_root(request) -> Path:
+    root = _root(request.config, "rlk_vime_fork_root")
+    assert root is not None, "the vime_fork marker guarantees --rlk-vime-fork-root"
+    return root
+
+
+@pytest.fixture(scope="session")
+def megatron_single_rank():
+    conformance.init_single_rank_megatron()
+
+
+@pytest.fixture
+def vime_loss(vime_root, megatron_single_rank):
+    """vime's own ``vime.backends.megatron_utils.loss`` from the upstream root."""
+    return conformance.use_vime_root(vime_root, conformance.LOSS_MODULE)
+
+
+@pytest.fixture
+def reference_arm(monkeypatch):
+    """Our adapter's own path (kernels on) on the fp32 reference backend, no strict mode (fallbacks must
+    be visible, not raised). With the kernels off the adapter hands every call to vime's loss."""
+    import kernels
+    from kernels.integrations import vime as adapter
+
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "reference")
+    monkeypatch.delenv("VIME_RL_KERNEL_OPS", raising=False)
+    monkeypatch.delenv("VIME_RL_KERNEL_STRICT", raising=False)
+    monkeypatch.delenv(adapter.NATIVE_LOSS_ENV, raising=False)
+    kernels.reset_fallback_counts()
+    adapter.reset_init_decision()
+    adapter.reset_native_fallbacks()
+    yield
+    kernels.reset_fallback_counts()
+    adapter.reset_init_decision()
+    adapter.reset_native_fallbacks()
+
+
+@dataclass
+class ParserStandIns:
+    """The stand-ins ``parser_stand_ins`` installed, and what they cost the parser check."""
+
+    preload: dict[str, types.ModuleType] = field(default_factory=dict)  # vime modules (use_vime_root preload)
+    vllm_engine_flags_known: bool = True  # False: vLLM's own engine flags are not registered
+    labels: list[str] = field(default_factory=list)
+
+
+def _vllm_engine_args_stand_in() -> dict[str, types.ModuleType]:
+    """STAND-IN: vLLM is not importable here. vime's ``add_vllm_arguments`` wraps
+    ``AsyncEngineArgs.add_cli_args(parser)`` to register every vLLM engine flag as ``--vllm-*``; this
+    ``add_cli_args`` registers none, so only vime's own ``--vllm-*`` extras are known."""
+    vllm = types.ModuleType("vllm")
+    engine = types.ModuleType("vllm.engine")
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+
+    class AsyncEngineArgs:
+        @staticmethod
+        def add_cli_args(parser):
+            return parser
+
+    arg_utils.AsyncEngineArgs = AsyncEngineArgs
+    vllm.engine, engine.arg_utils = engine, arg_utils
+    return {"vllm": vllm, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils}
+
+
+@pytest.fixture(scope="session")
+def parser_stand_ins(vime_root):
+    """Install (for the session) only the stand-ins vime's argument parser needs in this environment."""
+    stand_ins = ParserStandIns()
+    with pytest.MonkeyPatch.context() as mp:
+        if importlib.util.find_spec("vllm") is None:
+            for name, module in _vllm_engine_args_stand_in().items():
+                mp.setitem(sys.modules, name, module)
+            stand_ins.vllm_engine_flags_known = False
+            stand_ins.labels.append("vllm.engine.arg_utils.AsyncEngineArgs (vLLM not importable)")
+        if not (vime_root / "vime" / "observability" / "wandb_utils.py").is_file():
+            # STAND-IN: vime.observability.wandb_utils, imported at module level by logging_utils;
+            # the argument parser calls only logging_utils.configure_logger.
+            stand_ins.preload["vime.observability.wandb_utils"] = types.ModuleType("vime.observability.wandb_utils")
+            stand_ins.labels.append("vime.observability.wandb_utils (not in this vime root)")
+        yield stand_ins
