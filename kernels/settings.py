@@ -299,7 +299,8 @@ CUDA_PATH = _declare(Setting(
 SUITE_COMMIT = _declare(Setting(
     "RLK_SUITE_COMMIT", parse_text, None,
     "This suite's commit, for run manifests of a copied tree (it wins over the copy's .git).",
-    readers=("pytest_rlk/manifest.py", ".ci/gpu-nightly (passes it on)"), read="when used", group="suite"))
+    readers=("pytest_rlk/manifest.py", ".ci/gpu-nightly (passes it on)", "pytest_rlk/nightly/ray_driver.py (passes it on)"),
+    read="when used", group="suite"))
 NIGHTLY_DIR = _declare(Setting(
     "RLK_NIGHTLY_DIR", parse_path, Path(".rlk/nightly"),
     "The GPU nightly job's output folder (its runs go to `<dir>/runs`), relative to the checkout.",
@@ -308,6 +309,11 @@ NIGHTLY_TAG = _declare(Setting(
     "RLK_NIGHTLY_TAG", parse_text, None,
     "Name of the nightly job's tarball (`rlk-gpu-<tag>.tar.gz`); unset: `<platform>-<UTC time>`.",
     readers=(".ci/gpu-nightly",), read="when used", group="suite"))
+FAKE_GPUS = _declare(Setting(
+    "RLK_FAKE_GPUS", parse_positive_int, None,
+    "A test seam for machines without GPUs: `--rlk-shard-gpus` shards over this many fake GPU ids "
+    "(`0`..`N-1`) while the platform stays `cpu`; refused on a machine with GPUs.",
+    readers=("pytest_rlk/sharding.py",), read="when used", group="suite"))
 DATA = _declare(Setting(
     "RLK_DATA", parse_path, None,
     "Folder of the e2e data sets; A/B specs refer to it as `${RLK_DATA}`.",

@@ -1,4 +1,5 @@
-"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands).
+"""The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands:
+``rlk e2e ...``, ``rlk nightly``, ``rlk verdict``, ``rlk same``).
 
 ``rlk diff RUN --a-tag backend=X --b-tag backend=Y`` compares two tag selections of one run
 (``pytest_rlk.tag_diff``).
@@ -22,10 +23,10 @@ from pytest_rlk.gate import UNTIERED
 from pytest_rlk.options import OptionError, parse_refresh_rel
 from pytest_rlk.schema import GateResult, RunRecord
 from pytest_rlk.session import merge_run
-from pytest_rlk.table import diff_table
-from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors
+from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines
+from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text
 
-EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.drift.cli")
+EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli")
 
 
 def _load_run(arg: str, artifacts: Path | None) -> tuple[Path, RunRecord]:
@@ -75,30 +76,33 @@ def _verdict_counts(results: list[GateResult]) -> str:
 def cmd_diff(args: argparse.Namespace) -> int:
     refresh_rel = parse_refresh_rel(args.refresh_rel)
     new_path, new = _load_run(args.runs[0], args.artifacts)
+    notes: list[str] = []
     if args.a_tag or args.b_tag:
         if len(args.runs) != 1:
             raise OptionError("--a-tag/--b-tag compare two tag selections of ONE run: give one RUN")
         a = parse_selectors(args.a_tag or [], "--a-tag")
         b = parse_selectors(args.b_tag or [], "--b-tag")
         results = diff_tag_selections(new, a, b, refresh_rel=refresh_rel)
-        print(f"run {new_path} ({new.status}): A = {_selector_text(a)}, B = {_selector_text(b)}; "
+        headers = ("metric", f"A:{selector_text(a)}", f"B:{selector_text(b)}", *DIFF_HEADERS[3:])
+        print(f"run {new_path} ({new.describe_status()}): A = {selector_text(a)}, B = {selector_text(b)}; "
               "paired by metric and the other tags (A is the reference)")
     elif len(args.runs) == 2:
         b_path, b = _load_run(args.runs[1], args.artifacts)
         results = diff_runs(new, b, refresh_rel=refresh_rel)
-        print(f"A/B: A = {new_path} ({new.status}), B = {b_path} ({b.status})")
+        headers = ("metric", "A", "B", *DIFF_HEADERS[3:])
+        print(f"A/B: A = {new_path} ({new.describe_status()}), B = {b_path} ({b.describe_status()})")
     else:
         results = diff_against_baselines(new, args.baselines, refresh_rel=refresh_rel)
-        print(f"run {new_path} ({new.status}) vs baselines {args.baselines} "
+        headers = DIFF_HEADERS
+        notes = missing_baseline_lines(new, results)
+        print(f"run {new_path} ({new.describe_status()}) vs baselines {args.baselines} "
               f"(platform {new.manifest.platform.tag})")
-    print(diff_table(results))
+    print(diff_table(results, headers=headers, wide=args.wide))
     print(_verdict_counts(results))
+    for line in notes:
+        print(line)
     return _exit_code(results, fail_on_improvement=args.fail_on_improvement,
                       require_baselines=args.require_baselines)
-
-
-def _selector_text(selector: dict[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector.items())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -107,7 +111,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     run_path, run = _load_run(args.run, args.artifacts)
     out = args.output or run_path.parent / "report"
     path = write_report(run, out, plots=not args.no_plots)
-    print(f"wrote {path}")
+    print(f"wrote {path} and {path.with_suffix('.html')} (one file, charts inlined)")
     if args.performance is not None:
         from pytest_rlk.performance import collect, update_performance_doc
 
@@ -152,12 +156,13 @@ def cmd_env(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlk", description="pytest-rlk runs: diff, report, merge")
     parser.add_argument("--artifacts", type=Path, default=None,
-                        help="where 'latest' is looked up (default: .rlk/runs)")
+                        help="where 'latest' and run ids are looked up (default: .rlk/runs here or in "
+                             "the nearest parent directory that has one)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     diff = sub.add_parser("diff", help="compare a run with the baselines, or run A with run B")
     diff.add_argument("runs", nargs="+", metavar="RUN",
-                      help="NEW_RUN (vs baselines) or RUN_A RUN_B (A/B); a run dir, run.json or 'latest'")
+                      help="NEW_RUN (vs baselines) or RUN_A RUN_B (A/B); a run dir, run.json, run id or 'latest'")
     diff.add_argument("--baselines", type=Path, default=Path("baselines"), help="default: baselines/")
     diff.add_argument("--refresh-rel", default=None, metavar="X",
                       help="flag values better than baseline by more than max(X*|ref|, abs_floor)")
@@ -167,10 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --b-tag: compare two tag selections of ONE run (e.g. backend=rlk-triton "
                            "vs backend=rl_engine), paired by metric and the other tags; repeatable")
     diff.add_argument("--b-tag", action="append", metavar="KEY=VALUE", help="the B side (see --a-tag)")
+    diff.add_argument("--wide", action="store_true",
+                      help="one line per metric as case/metric with the verdicts spelt out (for grep; "
+                           "default: metrics grouped under their case, about 100 columns)")
     diff.set_defaults(func=cmd_diff)
 
     report = sub.add_parser("report", help="write report.md and PNG plots for a run")
-    report.add_argument("run", metavar="RUN", help="a run dir, run.json or 'latest'")
+    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
                         help="also write/update the run platform's roofline section of MD "
@@ -180,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_report)
 
     merge = sub.add_parser("merge", help="merge a run's part files into run.json (crashed runs too)")
-    merge.add_argument("run_dir", metavar="DIR", help="a run dir or 'latest'")
+    merge.add_argument("run_dir", metavar="RUN", help="a run dir, run id or 'latest'")
     merge.set_defaults(func=cmd_merge)
 
     env = sub.add_parser("env", help="print every setting (environment variable): value, default, source")

@@ -90,4 +90,6 @@ def _write(path: Path, record: TestRecord, tier: str, settings: GateSettings,
             metrics[m.name] = baseline_metric_from(m)
     storage.write_baseline(path, Baseline(
         schema_version=SCHEMA_VERSION, tier=tier, case=record.case, platform=settings.platform,
-        provenance={**provenance, "nodeid": record.nodeid}, metrics=metrics))
+        provenance={**provenance, "nodeid": record.nodeid,
+                    **({"kernel_backend_ids": list(record.backends)} if record.backends else {})},
+        metrics=metrics))

@@ -81,6 +81,15 @@ def kernel_backend_ids() -> list[str]:
         return [f"error: kernels.backend_id() raised {type(exc).__name__}: {exc}"]
 
 
+def switched_on_backend_id() -> str | None:
+    """The kernel backend ops would run on now when it is not the reference (the kernels are
+    switched on), from ``kernels.backend_id()`` if our ``kernels`` is imported; else None."""
+    ids = kernel_backend_ids()
+    if not ids or ids[0].startswith(("reference/", "error:")):
+        return None
+    return ids[0]
+
+
 def kernel_fallback_counts() -> dict[str, int]:
     mod = _imported_kernels_api()
     if mod is None:

@@ -48,6 +48,27 @@ def marker_lines() -> list[str]:
     return [f"{name}: {text}" for name, text in MARKERS.items()]
 
 
+GPU_MARKS = ("gpu", "gpus", "gpu_mem")
+HARDWARE_MARKS: tuple[str, ...] = (*PLATFORM_TAGS, "gpu", "cpu")
+
+
+def runnable_on(marker_names: Iterable[str]) -> tuple[str, ...]:
+    """The hardware marks of every platform a test with these markers can run on.
+
+    ``-m h100`` then means "what this suite runs on an H100 node": the plugin adds these marks
+    at collection, before pytest's ``-m`` filter. A test without hardware markers (or marked
+    ``cpu``) runs anywhere: every mark. ``gpu``, ``gpus(n)``, ``gpu_mem(gb)``: every GPU platform
+    and ``gpu``. Platform markers: those platforms and ``gpu`` (several mean any of them).
+    """
+    names = set(marker_names)
+    platforms = tuple(t for t in PLATFORM_TAGS if t in names)
+    if platforms:
+        return (*platforms, "gpu")
+    if names & set(GPU_MARKS):
+        return (*PLATFORM_TAGS, "gpu")
+    return HARDWARE_MARKS
+
+
 def tier_of(path: PurePath, marker_names: Iterable[str]) -> str | None:
     """An explicit tier marker wins; else ``.../suites/<tier>/...``; else untiered (None)."""
     names = set(marker_names)

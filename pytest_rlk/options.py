@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,10 +77,82 @@ def parse_backend(text: str | None) -> str | None:
     return text
 
 
+def load_backend(name: str) -> str:
+    """Load the backend ``--rlk-backend`` names through the kernels' registry, once, at startup:
+    its ``id/version``, or an :class:`OptionError` saying why it cannot work (the module does not
+    import, has no such factory, the factory raised, or returned something that is not a backend).
+    Every tier runs with it, so a backend that cannot load is a usage error, not a run of skips."""
+    from pytest_rlk._kernels_guard import import_project_kernels
+
+    try:
+        import_project_kernels()
+        from kernels import backends
+    except ImportError as exc:
+        raise OptionError(f"--rlk-backend {name!r}: pytest-rlk's kernels do not import ({exc})") from None
+    try:
+        backend = backends.get_backend(name)
+    except backends.BackendLoadError as exc:
+        raise OptionError(f"--rlk-backend {name!r}: {exc}") from None
+    except Exception as exc:  # the factory's own error, named
+        raise OptionError(f"--rlk-backend {name!r}: its factory raised {type(exc).__name__}: {exc}") from None
+    return f"{backend.id}/{backend.version}"
+
+
+PYTEST_CONFIG_FILES = (("pytest.ini", ""), ("pyproject.toml", "[tool.pytest.ini_options]"),
+                       ("tox.ini", "[pytest]"), ("setup.cfg", "[tool:pytest]"))
+
+
+def _has_pytest_config(folder: Path) -> bool:
+    for name, section in PYTEST_CONFIG_FILES:
+        path = folder / name
+        try:
+            if path.is_file() and (not section or section in path.read_text(encoding="utf-8", errors="replace")):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def check_rootdir_not_taken(args: Sequence[str], invocation_dir: Path, inipath: Path | None) -> None:
+    """pytest finds its rootdir and configuration before plugin options are known, so the value
+    of ``--rlk-artifacts DIR`` (two words) counts as a test path: an existing DIR outside the
+    project makes it the rootdir, and the project's configuration (testpaths, addopts, markers)
+    is not read. That run cannot work: an OptionError names the option and the ``=`` form."""
+    if inipath is not None:
+        return
+    here = invocation_dir.resolve()
+    if not any(_has_pytest_config(folder) for folder in (here, *here.parents)):
+        return
+    for option, value in zip(args, args[1:]):
+        if option.startswith("--rlk-") and "=" not in option and not value.startswith("-") \
+                and (invocation_dir / value).expanduser().exists():
+            raise OptionError(
+                f"{option} {value}: pytest took {value!r} for a test path and its rootdir (it reads its "
+                f"configuration before plugin options are known), so this project's pytest configuration "
+                f"was not read; write {option}={value}")
+
+
 def resolve_dir(value: str | None, rootdir: Path, default: str) -> Path:
     """Relative directories are taken relative to the pytest rootdir, like ``baselines/``."""
     path = Path(value if value is not None else default).expanduser()
     return path if path.is_absolute() else (rootdir / path)
+
+
+def artifacts_dir(value: str | None, rootdir: Path) -> Path:
+    path = resolve_dir(value, rootdir, ".rlk/runs")
+    if path.exists() and not path.is_dir():
+        raise OptionError(f"--rlk-artifacts: {value!r} is a file, not a directory")
+    return path
+
+
+def baselines_dir(value: str | None, rootdir: Path, update: str | None) -> Path:
+    """A baseline directory given explicitly must exist (a typo would read every baseline as
+    missing), unless this run records into it; the default ``baselines/`` may be absent."""
+    path = resolve_dir(value, rootdir, "baselines")
+    if value is not None and update is None and not path.is_dir():
+        raise OptionError(f"--rlk-baselines: {value!r} is not a directory (record into a new one "
+                          "with --rlk-update-baselines)")
+    return path
 
 
 def existing_dir(value: str | None, option: str) -> Path | None:
@@ -106,16 +179,19 @@ class RlkOptions:
     refresh_rel: float | None = None
     fail_on_improvement: bool = False
     backend: str | None = None
+    shard_gpus: bool = False
+    all_gpu_phase: Path | None = None  # the run dir an all-GPU phase joins (set by its controller)
     extra: dict[str, object] = field(default_factory=dict)
 
 
 def build_options(getoption, rootdir: Path) -> RlkOptions:
     """Validate everything at once from a ``config.getoption``-like callable."""
+    update = parse_update_mode(getoption("rlk_update_baselines"))
     return RlkOptions(
         tiers=parse_tiers(getoption("rlk_tier")),
-        artifacts=resolve_dir(getoption("rlk_artifacts"), rootdir, ".rlk/runs"),
-        baselines=resolve_dir(getoption("rlk_baselines"), rootdir, "baselines"),
-        update_baselines=parse_update_mode(getoption("rlk_update_baselines")),
+        artifacts=artifacts_dir(getoption("rlk_artifacts"), rootdir),
+        baselines=baselines_dir(getoption("rlk_baselines"), rootdir, update),
+        update_baselines=update,
         require_baselines=bool(getoption("rlk_require_baselines")),
         platform_override=parse_platform(getoption("rlk_platform")),
         vime_root=existing_dir(getoption("rlk_vime_root"), "--rlk-vime-root"),
@@ -123,4 +199,6 @@ def build_options(getoption, rootdir: Path) -> RlkOptions:
         refresh_rel=parse_refresh_rel(getoption("rlk_refresh_rel")),
         fail_on_improvement=bool(getoption("rlk_fail_on_improvement")),
         backend=parse_backend(getoption("rlk_backend")),
+        shard_gpus=bool(getoption("rlk_shard_gpus")),
+        all_gpu_phase=existing_dir(getoption("rlk_all_gpu_phase"), "--rlk-all-gpu-phase"),
     )

@@ -7,19 +7,22 @@ in a CI command line.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from pytest_rlk import hookspec, markers, options, storage
+from pytest_rlk import hookspec, markers, options, sharding, storage
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
 from pytest_rlk.failures import report_failure
 from pytest_rlk.gate import GateSettings, gate_test
-from pytest_rlk.manifest import build_manifest, new_run_id
+from pytest_rlk.manifest import build_manifest, new_run_id, switched_on_backend_id
 from pytest_rlk.recorder import MetricRecorder, case_from_nodeid
 from pytest_rlk.schema import PlatformInfo, RunRecord, TestRecord
 from pytest_rlk.table import summary_lines
@@ -38,6 +41,8 @@ class RlkState:
     deselected: dict[str, int] = field(default_factory=dict)
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
+    current_test: str | None = None  # the test being set up or run (named by progress lines)
+    gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
 
 
 STATE = pytest.StashKey[RlkState]()
@@ -45,8 +50,11 @@ RECORDER = pytest.StashKey[MetricRecorder]()
 TIER = pytest.StashKey[str | None]()
 PHASES = pytest.StashKey[dict]()
 GATE = pytest.StashKey[object]()
+GATE_ERROR = pytest.StashKey[str]()
+BACKEND_SEEN = pytest.StashKey[str]()
 UNSERVED = pytest.StashKey[str]()
 MARKER_ERROR = pytest.StashKey[str]()
+NODE_PLATFORM = pytest.StashKey[PlatformInfo]()
 
 
 def pytest_addhooks(pluginmanager):
@@ -67,12 +75,36 @@ def pytest_addoption(parser):
     group.addoption("--rlk-refresh-rel", metavar="X", default=None, help="flag a value better than its baseline by more than max(X*|ref|, abs_floor) as 'refresh the baseline' (default: the metric's band)")
     group.addoption("--rlk-fail-on-improvement", action="store_true", default=False, help="fail tests whose metrics improved beyond the refresh band")
     group.addoption("--rlk-backend", metavar="ID", default=None, help="kernel backend id or 'pkg.module:factory' (exported as VIME_RL_KERNEL_BACKEND)")
+    group.addoption("--rlk-shard-gpus", action="store_true", default=False, help="with -n auto (or -n N): one xdist worker per GPU, each pinned to its GPU (CUDA_VISIBLE_DEVICES); tests marked gpus(n>1) run afterwards in an all-GPU phase, alone")
+    group.addoption("--rlk-all-gpu-phase", metavar="RUN_DIR", default=None, help=argparse.SUPPRESS)  # set by the controller of a --rlk-shard-gpus run
+
+
+def _node_platform(config, override: str | None) -> PlatformInfo:
+    """This machine's platform, detected once per process (the xdist worker count asks early)."""
+    if NODE_PLATFORM not in config.stash:
+        plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
+        config.stash[NODE_PLATFORM] = rlk_platform.with_override(plat, override)
+    return config.stash[NODE_PLATFORM]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto --rlk-shard-gpus``: one worker per GPU."""
+    if not config.getoption("rlk_shard_gpus", False) or config.getoption("rlk_all_gpu_phase", None):
+        return None
+    try:
+        platform = _node_platform(config, options.parse_platform(config.getoption("rlk_platform")))
+        return len(sharding.node_gpu_ids(platform, os.environ, sharding.fake_gpu_count())) or None
+    except (options.OptionError, sharding.ShardError) as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_configure(config):
     for line in markers.marker_lines():
         config.addinivalue_line("markers", line)
     try:
+        options.check_rootdir_not_taken(list(config.invocation_params.args), Path(config.invocation_params.dir),
+                                        config.inipath)
         opts = options.build_options(config.getoption, Path(config.rootpath))
     except options.OptionError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -80,17 +112,30 @@ def pytest_configure(config):
     if workerinput and "rlk_platform" in workerinput:  # the controller detected it already
         plat = PlatformInfo.model_validate_json(workerinput["rlk_platform"])
     else:
-        plat = config.hook.pytest_rlk_platform(config=config) or rlk_platform.detect()
-        plat = rlk_platform.with_override(plat, opts.platform_override)
+        plat = _node_platform(config, opts.platform_override)
+    if opts.backend is not None and not workerinput:
+        _check_backend_loads(opts.backend, plat)
     state = RlkState(opts=opts, platform=plat, worker=workerinput["workerid"] if workerinput else None)
     if workerinput and workerinput.get("rlk_run_dir"):
         state.run_dir = Path(workerinput["rlk_run_dir"])
+    _configure_sharding(config, state, workerinput)
     if opts.backend is not None:
         state.saved_backend_env = (options.BACKEND_ENV in os.environ, os.environ.get(options.BACKEND_ENV))
         os.environ[options.BACKEND_ENV] = opts.backend
     config.stash[STATE] = state
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(), "rlk-xdist")
+
+
+def _check_backend_loads(name: str, plat: PlatformInfo) -> None:
+    """Without a GPU, Triton kernels run through its interpreter, which must be on before a
+    backend module defines them (the op and module tiers' conftests set the same)."""
+    if plat.detected_tag == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        options.load_backend(name)
+    except options.OptionError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_unconfigure(config):
@@ -111,8 +156,86 @@ def _ensure_run(config) -> Path:
             run_id=new_run_id(), argv=list(config.invocation_params.args), tiers=state.opts.tiers,
             platform=state.platform, suite_root=Path(config.rootpath), vime_root=state.opts.vime_root,
             backend_option=state.opts.backend)
+        manifest.gpu_shards = dict(state.gpu_shards)
         state.run_dir = rlk_session.start_run(state.opts.artifacts, manifest)
     return state.run_dir
+
+
+def _configure_sharding(config, state: RlkState, workerinput: dict | None) -> None:
+    """``--rlk-shard-gpus`` (its controller and workers) and the all-GPU phase that follows it."""
+    opts = state.opts
+    if opts.all_gpu_phase is None and not opts.shard_gpus:
+        return
+    try:
+        if opts.all_gpu_phase is not None:
+            state.worker, state.run_dir = sharding.ALL_GPU_WORKER, opts.all_gpu_phase
+            hooks = _AllGpuPhaseHooks(sharding.read_nodeids(opts.all_gpu_phase))
+        elif workerinput is not None:
+            sharding.check_worker(workerinput, os.environ, config.inipath)
+            hooks = _ShardWorkerHooks()
+        else:
+            sharding.check_xdist(config.pluginmanager.hasplugin("xdist"))
+            config.option.tx, state.gpu_shards = sharding.pin_workers(
+                config.option.tx, state.platform, os.environ, config.invocation_params.args)
+            hooks = _ShardControllerHooks(state)
+    except sharding.ShardError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.pluginmanager.register(hooks, "rlk-shard-gpus")
+
+
+def _held_back(items: list) -> list:
+    """Remove the tests that wait for the all-GPU phase from ``items``; returns them."""
+    keep, held = sharding.split_held_back(
+        items, lambda item: ([(m.name, m.args) for m in item.iter_markers()], UNSERVED in item.stash))
+    items[:] = keep
+    return held
+
+
+class _ShardWorkerHooks:
+    """An xdist worker pinned to one GPU: it leaves the multi-GPU tests to the all-GPU phase."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in _held_back(items)]
+
+
+class _AllGpuPhaseHooks:
+    """The all-GPU phase: only the tests the workers left to it."""
+
+    def __init__(self, nodeids: list[str]) -> None:
+        self.nodeids = set(nodeids)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        drop = [item for item in items if item.nodeid not in self.nodeids]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for item in items if item.nodeid in self.nodeids]
+
+
+class _ShardControllerHooks:
+    """Pins each worker to its GPU, then runs the all-GPU phase once the workers are done."""
+
+    def __init__(self, state: RlkState) -> None:
+        self.state = state
+        self.held: dict[str, None] = {}  # nodeids, in the order the workers reported them
+
+    def pytest_configure_node(self, node):
+        node.workerinput.update(sharding.worker_input(node.gateway.spec.env, node.config.inipath))
+
+    def pytest_testnodedown(self, node, error):
+        self.held.update(dict.fromkeys(getattr(node, "workeroutput", {}).get(sharding.WORKEROUTPUT_KEY, ())))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session):
+        result = yield  # the workers' phase; raises when it was stopped (-x, Ctrl-C)
+        if self.held and self.state.run_dir is not None and not session.shouldfail and not session.shouldstop:
+            config = session.config
+            session.testsfailed += sharding.run_all_gpu_phase(
+                list(self.held), self.state.run_dir, invocation_args=config.invocation_params.args,
+                cwd=config.invocation_params.dir, gpus=self.state.gpu_shards[sharding.ALL_GPU_WORKER],
+                say=config.get_terminal_writer().line)
+        return result
 
 
 class _XdistHooks:
@@ -153,6 +276,23 @@ def pytest_ignore_collect(collection_path, config):
     return True
 
 
+@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_hardware_marks(config, items):
+    """Skips from the tests' own markers, then every test gets the hardware marks of every
+    platform it can run on (``markers.runnable_on``), before pytest's ``-m`` filter runs: ``-m
+    h100`` on any machine selects what an H100 node runs, and this machine skips what it
+    cannot serve, with the reason."""
+    state = config.stash[STATE]
+    ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
+                               model_root=state.opts.model_root)
+    for item in items:
+        own = {m.name for m in item.iter_markers()}
+        _skip_if_unserved(item, ctx)
+        for name in markers.runnable_on(own):
+            if name not in own:
+                item.add_marker(name)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         check_imported_kernels()
@@ -160,8 +300,6 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(str(exc)) from None
     state = config.stash[STATE]
     root = Path(config.rootpath)
-    ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
-                               model_root=state.opts.model_root)
     keep, drop = [], []
     for item in items:
         path = Path(item.path)
@@ -170,7 +308,6 @@ def pytest_collection_modifyitems(config, items):
         item.stash[TIER] = tier
         if tier is None or tier in state.opts.tiers:
             keep.append(item)
-            _skip_if_unserved(item, ctx)
         else:
             drop.append(item)
             state.deselected[tier] = state.deselected.get(tier, 0) + 1
@@ -179,6 +316,12 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
     if state.writer is not None:
         state.writer.set_deselected(state.deselected)
+
+
+def pytest_collection_finish(session):
+    state = session.config.stash.get(STATE, None)
+    if state is not None and state.writer is not None:
+        state.writer.set_collected(len(session.items))
 
 
 def _skip_if_unserved(item, ctx: markers.ServeContext) -> None:
@@ -195,6 +338,7 @@ def _skip_if_unserved(item, ctx: markers.ServeContext) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    item.config.stash[STATE].current_test = item.nodeid  # progress lines name it
     error = item.stash.get(MARKER_ERROR, None)
     if error is not None:
         pytest.fail(f"{item.nodeid}: {error}", pytrace=False)
@@ -211,6 +355,72 @@ def rlk_metrics(request) -> MetricRecorder:
     return recorder
 
 
+class Progress:
+    """Progress lines of a long step on the terminal (through pytest's terminal reporter, with
+    capture suspended for the line), so a minute of vLLM start-up or a TRL A/B is not silence:
+    ``rlk: <test>: <message>``. Silent under ``-qq`` and in xdist workers (no terminal)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def __call__(self, message: str) -> None:
+        config = self._config
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or config.get_verbosity() < -1 or hasattr(config, "workerinput"):
+            return
+        current = config.stash[STATE].current_test
+        where = f"{current.split('::', 1)[-1]}: " if current else ""
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            writer = getattr(reporter, "_tw", None)  # under -q the progress dots leave the line open
+            if writer is not None and writer.width_of_current_line:
+                reporter.write("\n")
+            reporter.ensure_newline()
+            reporter.write_line(f"rlk: {where}{message}")
+
+    @contextlib.contextmanager
+    def step(self, message: str):
+        """``with rlk_progress.step("vLLM: start the engine, generate"):`` a line when it starts,
+        one when it ends, with its duration (or that it failed)."""
+        start = time.monotonic()
+        self(f"{message} ...")
+        try:
+            yield
+        except BaseException:
+            self(f"{message}: failed after {time.monotonic() - start:.0f} s")
+            raise
+        self(f"{message}: done in {time.monotonic() - start:.0f} s")
+
+
+@pytest.fixture(scope="session")
+def rlk_progress(request) -> Progress:
+    """Progress of long steps on the terminal: ``rlk_progress("...")`` or ``with rlk_progress.step("...")``."""
+    return Progress(request.config)
+
+
+class RunFiles:
+    """Files of the whole run (not of one test): ``DIR/<run_id>/files/<name>``, each named with
+    its description in the rlk summary and the report (e.g. a table several tests fill)."""
+
+    def __init__(self, state: RlkState) -> None:
+        self._state = state
+
+    def path(self, name: str, description: str) -> Path:
+        if self._state.run_dir is None:
+            raise RuntimeError("rlk_files.path: this run writes no artifacts")
+        path = self._state.run_dir / rlk_session.FILES / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._state.writer is not None:
+            self._state.writer.add_file(description, path)
+        return path
+
+
+@pytest.fixture(scope="session")
+def rlk_files(request) -> RunFiles:
+    """Files of the run as a whole: ``rlk_files.path("table.txt", "backend parity table")``."""
+    return RunFiles(request.config.stash[STATE])
+
+
 def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str | None = None,
                  failure: str | None = None) -> TestRecord:
     state = item.config.stash[STATE]
@@ -218,11 +428,14 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
     record = TestRecord(nodeid=item.nodeid, case=recorder.case if recorder else case_from_nodeid(item.nodeid),
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
                         skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
-                        worker=state.worker or "main")
+                        worker=state.worker or "main", gate_error=item.stash.get(GATE_ERROR, None))
+    seen = item.stash.get(BACKEND_SEEN, None)
+    record.backends = [seen] if seen is not None else []
     if recorder is not None:
         record.metrics = list(recorder.metrics.values())
         record.seeds = dict(recorder.seeds)
         record.fallback_counts = dict(recorder.fallback_counts)
+        record.backends += [b for b in recorder.backends if b not in record.backends]
         used = recorder.artifact_dir_if_used
         record.artifact_dir = str(used) if used is not None else None
     gate = item.stash.get(GATE, None)
@@ -247,7 +460,10 @@ def _provenance(state: RlkState) -> dict[str, object]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    result = yield  # raises (and skips the gate) when the test body failed
+    try:
+        result = yield  # raises (and skips the gate) when the test body failed
+    finally:
+        _note_switched_on_backend(item)
     recorder = item.stash.get(RECORDER, None)
     if recorder is None or not any(m.gate for m in recorder.metrics.values()):
         return result
@@ -264,11 +480,21 @@ def pytest_runtest_call(item):
     try:
         outcome = gate_test(_test_record(item, "passed"), settings, _provenance(state))
     except (storage.RlkFileError, ValueError) as exc:
-        pytest.fail(f"rlk gate error: {exc}", pytrace=False)
+        item.stash[GATE_ERROR] = str(exc)
+        outcome = None
+    if outcome is None:  # failed outside the except block: the message once, no chained traceback
+        pytest.fail(f"rlk gate error: {item.stash[GATE_ERROR]}", pytrace=False)
     item.stash[GATE] = outcome.result
     if outcome.failure:
         pytest.fail(outcome.failure, pytrace=False)
     return result
+
+
+def _note_switched_on_backend(item) -> None:
+    """The kernel backend switched on as the test body ends (its fixtures still set), if any."""
+    backend = switched_on_backend_id()
+    if backend is not None:
+        item.stash[BACKEND_SEEN] = backend
 
 
 @pytest.hookimpl(wrapper=True)
@@ -283,6 +509,25 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped at collection (``pytest.importorskip`` at its top) is one skip in
+    pytest's count: the run records it too, so the summary's skips add up to pytest's."""
+    report = yield
+    state = collector.config.stash.get(STATE, None)
+    if report.skipped and report.nodeid and state is not None and state.writer is not None:
+        state.writer.add(TestRecord(
+            nodeid=report.nodeid, case=case_from_nodeid(report.nodeid),
+            tier=markers.tier_of(Path(report.nodeid), ()), outcome="skipped",
+            skip_reason=_skip_reason(report), worker=state.worker or "main"))
+    return report
+
+
 def _record_from_phases(item, phases: dict) -> TestRecord:
     setup, call, teardown = phases.get("setup"), phases.get("call"), phases.get("teardown")
     duration = sum(r.duration for r in phases.values())
@@ -294,9 +539,7 @@ def _record_from_phases(item, phases: dict) -> TestRecord:
         outcome = "failed"
     elif any(r.skipped for r in phases.values()):
         outcome = "skipped"
-        rep = next(r for r in phases.values() if r.skipped)
-        skip_reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        skip_reason = skip_reason.removeprefix("Skipped: ")
+        skip_reason = _skip_reason(next(r for r in phases.values() if r.skipped))
     else:
         outcome = "passed"
     return _test_record(item, outcome, duration=duration, skip_reason=skip_reason, failure=failure)

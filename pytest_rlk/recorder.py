@@ -72,6 +72,7 @@ class MetricRecorder:
         self.metrics: dict[str, MetricRecord] = {}
         self.seeds: dict[str, int] = {}
         self.fallback_counts: dict[str, int] = {}
+        self.backends: list[str] = []
         self._artifact_dir: Path | None = None
 
     @property
@@ -141,6 +142,15 @@ class MetricRecorder:
     def record_fallbacks(self, counts: Mapping[str, int]) -> None:
         for op, n in counts.items():
             self.fallback_counts[str(op)] = int(n)
+
+    def record_backend(self, backend_id: str) -> None:
+        """A kernel backend (``id/version``) this test exercised; the run's header names them.
+        The plugin records the one switched on (``VIME_RL_KERNEL=1``) when the test body ends by
+        itself; a test that calls backends directly, or in a subprocess, records them here."""
+        if not isinstance(backend_id, str) or not backend_id.strip():
+            raise MetricError(f"record_backend: {backend_id!r} is not a backend id (e.g. 'liger/0.8.5')")
+        if backend_id not in self.backends:
+            self.backends.append(backend_id)
 
     def set_seed(self, name: str, value: int) -> None:
         self.seeds[str(name)] = int(value)

@@ -179,6 +179,8 @@ class RunManifest(_Strict):
     kernel_backend_ids: list[str] = Field(default_factory=list)
     kernel_backend_option: str | None = None
     seeds: dict[str, dict[str, int]] = Field(default_factory=dict)  # nodeid -> {name: seed}
+    # --rlk-shard-gpus: xdist worker id (and "all-gpus") -> the CUDA_VISIBLE_DEVICES it ran with
+    gpu_shards: dict[str, str] = Field(default_factory=dict)
 
 
 class TestRecord(_Strict):
@@ -200,6 +202,11 @@ class TestRecord(_Strict):
     seeds: dict[str, int] = Field(default_factory=dict)
     fallback_counts: dict[str, int] = Field(default_factory=dict)
     artifact_dir: str | None = None
+    # kernel backends ("id/version") this test exercised: recorded by the test
+    # (rlk_metrics.record_backend) or seen switched on when its body ended
+    backends: list[str] = Field(default_factory=list)
+    # a baseline that could not be used (corrupt, wrong version, misplaced): "<file>: <what>"
+    gate_error: str | None = None
 
 
 class PartFile(_Strict):
@@ -210,6 +217,8 @@ class PartFile(_Strict):
     deselected: dict[str, int] = Field(default_factory=dict)
     fallback_counts: dict[str, int] = Field(default_factory=dict)
     kernel_backend_ids: list[str] = Field(default_factory=list)
+    collected: int | None = None  # tests selected to run (after -m, -k and tier deselection)
+    files: dict[str, str] = Field(default_factory=dict)  # description -> path (rlk_files)
 
 
 class RunRecord(_Strict):
@@ -223,6 +232,21 @@ class RunRecord(_Strict):
     tests: list[TestRecord] = Field(default_factory=list)
     deselected: dict[str, int] = Field(default_factory=dict)
     fallback_counts: dict[str, int] = Field(default_factory=dict)
+    collected: int | None = None  # tests selected to run; more than len(tests) in a partial run
+    # run-level files the tests wrote (tables, logs), description -> path: named in the summary
+    files: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def partial(self) -> bool:
+        """Stopped before its end (Ctrl-C, killed, still running): some selected tests have no record."""
+        return self.status != "complete"
+
+    def describe_status(self) -> str:
+        """``complete`` or e.g. ``interrupted: partial, 2 of 4 tests recorded``."""
+        if not self.partial:
+            return self.status
+        of = f" of {self.collected}" if self.collected is not None else ""
+        return f"{self.status}: partial, {len(self.tests)}{of} tests recorded"
 
 
 class BaselineMetric(_Strict):

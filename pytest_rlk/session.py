@@ -4,6 +4,10 @@ Every pytest process (each xdist worker, or the single process without xdist) re
 ``parts/<worker>.json`` atomically after each test. The controller writes a ``running`` header
 ``run.json`` at session start and merges the parts into it at session end. A run that never
 reached session end keeps status ``running`` on disk; ``rlk merge`` then marks it ``crashed``.
+
+``latest`` moves to a run when it records its first test result, so a run that selected nothing
+or stopped before any test (a typo in ``-m``, a usage error, Ctrl-C during collection) never
+hides the last run with results from ``rlk diff latest``.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from pytest_rlk.schema import PartFile, RunManifest, RunRecord, RunStatus, TestR
 
 PARTS = "parts"
 TESTS = "tests"
+FILES = "files"
 
 
 def start_run(artifacts: Path, manifest: RunManifest) -> Path:
@@ -24,7 +29,6 @@ def start_run(artifacts: Path, manifest: RunManifest) -> Path:
     (run_dir / PARTS).mkdir(parents=True, exist_ok=True)
     storage.write_run(run_dir, RunRecord(manifest=manifest, status="running",
                                          host=socket.gethostname(), pid=os.getpid()))
-    storage.set_latest(artifacts, run_dir)
     return run_dir
 
 
@@ -43,9 +47,19 @@ class PartWriter:
     def add(self, test: TestRecord) -> None:
         self.part.tests.append(test)
         self.flush()
+        if len(self.part.tests) == 1:  # this run has a result now: it becomes `latest`
+            storage.set_latest(self.run_dir.parent, self.run_dir)
 
     def set_deselected(self, counts: dict[str, int]) -> None:
         self.part.deselected = dict(counts)
+        self.flush()
+
+    def add_file(self, description: str, path: Path) -> None:
+        self.part.files[description] = str(path)
+        self.flush()
+
+    def set_collected(self, n: int) -> None:
+        self.part.collected = n
         self.flush()
 
     def flush(self) -> None:
@@ -63,9 +77,12 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     """
     header = storage.load_run(run_dir / storage.RUN_FILE)
     parts = [storage.load_part(p) for p in sorted((run_dir / PARTS).glob("*.json"))]
-    tests = [t for part in parts for t in part.tests]
+    # a module skipped at collection is recorded by every xdist worker that collected it: once here
+    tests = list({t.nodeid: t for part in reversed(parts) for t in reversed(part.tests)}.values())[::-1]
     deselected: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
+    collected = max((p.collected for p in parts if p.collected is not None), default=None)
+    files = {k: v for part in parts for k, v in part.files.items()}
     backend_ids = list(header.manifest.kernel_backend_ids)
     for part in parts:
         for tier, n in part.deselected.items():  # every worker collects the same tests
@@ -73,8 +90,10 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
         for op, n in part.fallback_counts.items():
             fallbacks[op] = fallbacks.get(op, 0) + n
         backend_ids.extend(b for b in part.kernel_backend_ids if b not in backend_ids)
+    exercised = list(dict.fromkeys(b for t in tests for b in t.backends))
     manifest = header.manifest.model_copy(update={
-        "kernel_backend_ids": backend_ids,
+        # what the tests exercised; without such records, what kernels.backend_id() said
+        "kernel_backend_ids": exercised or backend_ids,
         "seeds": {t.nodeid: dict(t.seeds) for t in tests if t.seeds},
     })
     final_status = status or header.status
@@ -84,7 +103,7 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
         manifest=manifest, status=final_status, host=header.host, pid=header.pid,
         finished_utc=utc_now() if status else header.finished_utc,
         exit_status=exit_status if exit_status is not None else header.exit_status,
-        tests=tests, deselected=deselected, fallback_counts=fallbacks,
+        tests=tests, deselected=deselected, fallback_counts=fallbacks, collected=collected, files=files,
     )
     storage.write_run(run_dir, run)
     return run

@@ -1,6 +1,7 @@
 """Baseline and run files on disk: load, validate, write atomically. Errors name file + field."""
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tempfile
@@ -128,7 +129,10 @@ def load_part(path: Path) -> PartFile:
 
 
 def set_latest(artifacts: Path, run_dir: Path) -> None:
-    """``artifacts/latest`` -> the newest run (a symlink; a text file where symlinks fail)."""
+    """``artifacts/latest`` -> ``run_dir`` (a symlink; a text file where symlinks fail).
+
+    The session moves it when a run records its first test result (:mod:`pytest_rlk.session`):
+    a run that selected nothing, or was stopped before any test, leaves it where it was."""
     link = artifacts / LATEST
     tmp = artifacts / f".{LATEST}.{os.getpid()}"
     try:
@@ -139,23 +143,61 @@ def set_latest(artifacts: Path, run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
+DEFAULT_ARTIFACTS = Path(".rlk") / "runs"
+NEAREST_SHOWN = 5
+
+
+def default_artifacts(start: Path | None = None) -> Path:
+    """``.rlk/runs`` of the current directory or the nearest parent that has one (like git finds
+    its repository), else ``.rlk/runs`` here."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / DEFAULT_ARTIFACTS).is_dir():
+            return folder / DEFAULT_ARTIFACTS
+    return DEFAULT_ARTIFACTS
+
+
+def run_ids(artifacts: Path) -> list[str]:
+    """The run directories under ``artifacts`` (those holding a run file), oldest first."""
+    if not artifacts.is_dir():
+        return []
+    return sorted(p.name for p in artifacts.iterdir()
+                  if p.is_dir() and not p.is_symlink() and (p / RUN_FILE).exists())
+
+
+def _not_found(text: str, base: Path) -> RlkFileError:
+    known = run_ids(base)
+    if not known:
+        return RlkFileError(text, None, f"not a run directory, run.json file or run id (no runs under {base})")
+    nearest = difflib.get_close_matches(text, known, n=NEAREST_SHOWN, cutoff=0.3)
+    newest = [r for r in reversed(known) if r not in nearest][:NEAREST_SHOWN - len(nearest)]
+    shown = ", ".join(nearest + newest)
+    return RlkFileError(text, None, f"not a run directory, run.json file or run id under {base} "
+                        f"({len(known)} runs; nearest and newest: {shown})")
+
+
 def resolve_run_dir(arg: str | Path, artifacts: Path | None = None) -> Path:
-    """A run dir, a run.json path, or ``latest`` (in ``artifacts``, default ``.rlk/runs``)."""
+    """A run dir, a run.json path, a run id (``20261124T152510Z-c80992``, as the report and the
+    summary show it) or ``latest``; ids and ``latest`` are looked up in ``artifacts`` (default:
+    :func:`default_artifacts`). Not found: an error listing the nearest run ids."""
     text = str(arg)
+    base = artifacts if artifacts is not None else default_artifacts()
     if text == LATEST:
-        base = artifacts or Path(".rlk/runs")
         link = base / LATEST
         if link.is_symlink() or link.is_dir():
             return link.resolve()
         if link.is_file():
             return base / link.read_text(encoding="utf-8").strip()
-        raise RlkFileError(link, None, "no latest run (run pytest first, or pass a run directory)")
+        raise RlkFileError(link, None, "no latest run (no run under it has recorded a test yet: run "
+                           "pytest first, or pass a run directory)")
     path = Path(text)
     if path.is_dir():
         return path
     if path.name == RUN_FILE or path.suffix == ".json":
         return path.parent
-    raise RlkFileError(path, None, "not a run directory or run.json file")
+    if len(path.parts) == 1 and (base / text / RUN_FILE).exists():
+        return base / text
+    raise _not_found(text, base)
 
 
 def resolve_run_file(arg: str | Path, artifacts: Path | None = None) -> Path:
@@ -163,3 +205,8 @@ def resolve_run_file(arg: str | Path, artifacts: Path | None = None) -> Path:
     if text != LATEST and Path(text).suffix == ".json":
         return Path(text)
     return resolve_run_dir(arg, artifacts) / RUN_FILE
+
+
+def load_model(path: Path, model: type[M]) -> M:
+    """Any other schema'd JSON file (a nightly plan, ...): errors name the file and the field."""
+    return _validate(path, model, _read_json(path))

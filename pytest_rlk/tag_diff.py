@@ -33,6 +33,28 @@ def parse_selectors(items: Sequence[str], option: str) -> Selector:
     return selector
 
 
+def selector_text(selector: Selector) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector.items())
+
+
+def check_matches(run: RunRecord, selector: Selector, option: str) -> None:
+    """A selection that matches no metric of the run is an error naming the tag and what the run
+    holds instead (the tag keys, or the key's values), never a table of missing metrics."""
+    tags = [m.tags for t in run.tests for m in t.metrics]
+    if any(all(tg.get(k) == v for k, v in selector.items()) for tg in tags):
+        return
+    for key, value in selector.items():
+        values = sorted({tg[key] for tg in tags if key in tg})
+        if not values:
+            keys = sorted({k for tg in tags for k in tg})
+            raise OptionError(f"{option} {key}={value} matches no metric of this run; its tags: "
+                              f"{', '.join(keys) or '(none)'}")
+        if value not in values:
+            raise OptionError(f"{option} {key}={value} matches no metric of this run; values of "
+                              f"{key!r} in it: {', '.join(values)}")
+    raise OptionError(f"{option} {selector_text(selector)}: each tag matches metrics, but no metric has all of them")
+
+
 def _side(run: RunRecord, selector: Selector, drop: set[str], label: str) -> dict[PairKey, dict[str, MetricRecord]]:
     groups: dict[PairKey, dict[str, MetricRecord]] = {}
     where: dict[tuple[PairKey, str], str] = {}
@@ -58,6 +80,8 @@ def diff_tag_selections(run: RunRecord, a: Selector, b: Selector, *,
         raise OptionError("--a-tag and --b-tag go together: give both (KEY=VALUE each)")
     if a == b:
         raise OptionError(f"--a-tag and --b-tag select the same metrics ({a})")
+    check_matches(run, a, "--a-tag")
+    check_matches(run, b, "--b-tag")
     drop = set(a) | set(b) | set(IGNORED_TAGS)
     a_groups = _side(run, a, drop, "A")
     b_groups = _side(run, b, drop, "B")

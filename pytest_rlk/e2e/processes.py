@@ -8,10 +8,12 @@ processes through /proc and ends exactly those (SIGTERM, a grace period, SIGKILL
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -79,7 +81,8 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             pass
 
 
-def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0, leader_first_s: float = 0.0) -> list[int]:
+def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0, leader_first_s: float = 0.0,
+                leader_signal: signal.Signals = signal.SIGTERM) -> list[int]:
     """End every process of the session `leader` started (it was started with
     start_new_session=True, so the session id is its pid): SIGTERM, wait, SIGKILL. Returns the
     pids that were signalled. Touches nothing outside that session.
@@ -87,13 +90,14 @@ def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0, leader_first
     `leader_first_s` > 0: SIGTERM the leader alone first and give it that long to end its own
     children in order (`ray start --block` does: ~6 s, where SIGTERM to every Ray process at once
     leaves the raylet respawning agents and waiting on the dead GCS for 30 s and more); whatever is
-    left then gets the SIGTERM / `grace_s` / SIGKILL sequence.
+    left then gets the SIGTERM / `grace_s` / SIGKILL sequence. `leader_signal` is what the leader
+    gets first (SIGINT for pytest: it then ends its run as interrupted and writes its files).
     """
     sid = leader.pid
     signalled: set[int] = set()
     if leader_first_s > 0 and leader.poll() is None:
         signalled.add(sid)
-        _signal([sid], signal.SIGTERM)
+        _signal([sid], leader_signal)
         if _wait_session_empty(leader, sid, leader_first_s):
             leader.wait()
             return sorted(signalled)
@@ -107,3 +111,16 @@ def end_session(leader: subprocess.Popen, *, grace_s: float = 20.0, leader_first
     except subprocess.TimeoutExpired as exc:
         raise LaunchError(f"pid {sid} survived SIGKILL") from exc
     return sorted(signalled)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn` (between fork and exec): the child gets SIGTERM when the process that
+    started it dies, so a killed parent (a Ray worker on a node that died) leaves nothing running;
+    and no blocked signals (Ray workers block SIGINT, and the mask survives exec: the child would
+    not hear a Ctrl-C that asks it to stop)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the TRL lane needs trl (pip install -e '.[trl]')")
-pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
+from pytest_rlk.extras import require_extra
+
+require_extra("trl")
+require_extra("datasets")  # TRL's GRPOTrainer reads its prompts from a datasets.Dataset
 
 import perturbed_logp_backend as perturbed_backend  # noqa: E402
 import torch  # noqa: E402
@@ -33,6 +35,7 @@ from pytest_rlk.e2e import metrics as m  # noqa: E402
 from pytest_rlk.e2e.engines.task import TARGET_WORDS, make_prompts, repeat_reward  # noqa: E402
 from pytest_rlk.e2e.engines.trl.series import METRICS_FILE, read_series  # noqa: E402
 from pytest_rlk.e2e.outcome import ABRun, ExtraArm, gate_arms, load_ab_run, write_run_report  # noqa: E402
+from pytest_rlk.e2e.progress import LineProgress  # noqa: E402
 from pytest_rlk.e2e.runner import run_ab  # noqa: E402
 from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError, load_spec  # noqa: E402
 
@@ -68,6 +71,7 @@ def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool, gate_corre
                 band=policy.band, window={"skip": skip, "agg": policy.agg},
             )
     rlk_metrics.record_fallbacks(run.arm("kernels").info["fallback_counts"])
+    rlk_metrics.record_backend(run.arm("kernels").info["backend_id"])
 
 
 def _assert_real_kernel_arm(run: ABRun, key: str = "kernels", backend: str = "rlk-triton") -> None:
@@ -93,11 +97,36 @@ def _perturbed_variant(spec: ABSpec, rollouts: int = PERTURB_ROLLOUTS) -> ABSpec
     return ABSpec.model_validate(raw)
 
 
+class _ToTerminal:
+    """A stream whose lines go to the terminal as rlk progress lines (through pytest's capture)."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            self.progress(text.rstrip())
+
+    def flush(self) -> None:
+        pass
+
+
+class _EveryFourthRollout(LineProgress):
+    """The runner's lines (arms starting and ending), and every fourth rollout of each arm."""
+
+    def step(self, arm, step, total) -> None:
+        if (step.index + 1) % 4 == 0 or step.index + 1 == total:
+            super().step(arm, step, total)
+
+
 @pytest.fixture(scope="module")
-def dense_cpu_ab(tmp_path_factory) -> ABRun:
+def dense_cpu_ab(tmp_path_factory, rlk_progress) -> ABRun:
     out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
     spec = load_spec(DENSE_CPU)
-    return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))])
+    with rlk_progress.step(f"TRL GRPO A/B {DENSE_CPU.stem}: baseline, kernels and a perturbed arm "
+                           f"(65-90 s on 2 cores)"):
+        return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec))],
+                      progress=_EveryFourthRollout(_ToTerminal(rlk_progress)))
 
 
 @pytest.mark.cpu
@@ -237,12 +266,13 @@ def test_vllm_weight_sync_patch_is_version_guarded():
 @pytest.mark.cpu
 @pytest.mark.tiny
 @pytest.mark.moe
-def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys):
+def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys, rlk_progress):
     """`rlk e2e run <shipped MoE case>`: the CLI hands the TRL spec to this engine end to end."""
     from pytest_rlk.cli import main as rlk_main
 
     out = tmp_path / "run"
-    assert rlk_main(["e2e", "run", MOE_CPU.stem, "--out", str(out)]) == 0
+    with rlk_progress.step(f"rlk e2e run {MOE_CPU.stem} (TRL GRPO A/B, 55-70 s on 2 cores; arm logs under {out})"):
+        assert rlk_main(["e2e", "run", MOE_CPU.stem, "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert f"A/B {MOE_CPU.stem} on cpu: PASS" in printed.out and f"report: {out / 'report' / 'report.md'}" in printed.out
     # progress while the arms ran: every rollout of both arms, with its reward

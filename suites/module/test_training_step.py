@@ -15,10 +15,15 @@ import json
 import pytest
 import torch
 
-from pytest_rlk.e2e.engines.task import make_prompts
-from pytest_rlk.e2e.engines.tiny_models import train_tokenizer
-from suites.module import tiny, train_step
-from suites.module import vime_standin as standin
+from pytest_rlk.extras import require_extra
+
+require_extra("transformers")  # tiny real models
+require_extra("tokenizers")
+
+from pytest_rlk.e2e.engines.task import make_prompts  # noqa: E402
+from pytest_rlk.e2e.engines.tiny_models import train_tokenizer  # noqa: E402
+from suites.module import tiny, train_step  # noqa: E402
+from suites.module import vime_standin as standin  # noqa: E402
 
 SEED = 1234
 LOSS_FLAGS = ["--use-kl-loss", "--kl-loss-coef", "0.01", "--eps-clip-high", "0.28", "--use-tis"]
@@ -59,19 +64,21 @@ def _prompts(n: int, vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (32,), generator=gen) for _ in range(n)]
 
 
-def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics) -> None:
-    base = tiny.build_model(case.kind, seed=SEED, vocab_size=case.vocab_size, size=case.size, dtype=case.dtype,
-                            device=device)
-    rollout = train_step.sample_rollout(base, _prompts(case.n_prompts, case.vocab_size),
-                                        group_size=case.group_size, response_len=case.response_len, seed=SEED)
-    batch = train_step.vime_batch(base, rollout)
+def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, progress) -> None:
+    with progress.step(f"build a tiny {case.kind} model, sample a rollout"):
+        base = tiny.build_model(case.kind, seed=SEED, vocab_size=case.vocab_size, size=case.size,
+                                dtype=case.dtype, device=device)
+        rollout = train_step.sample_rollout(base, _prompts(case.n_prompts, case.vocab_size),
+                                            group_size=case.group_size, response_len=case.response_len, seed=SEED)
+        batch = train_step.vime_batch(base, rollout)
     args = standin.vime_args_standin(LOSS_FLAGS)
     start = {n: p.detach().clone() for n, p in base.named_parameters()}
     logs, models = {}, {}
     for arm, on in (("reference", False), ("kernels", True)):
         kernels_arm(on)
         models[arm] = copy.deepcopy(base)
-        logs[arm] = train_step.train(models[arm], batch, args, steps=case.steps)
+        with progress.step(f"{arm} arm: {case.steps} training steps"):
+            logs[arm] = train_step.train(models[arm], batch, args, steps=case.steps)
     ref, ker = logs["reference"], logs["kernels"]
     gap_max, drift_rel = train_step.param_drift(models["kernels"], models["reference"], start)
     rlk_metrics.set_seed("torch", SEED)
@@ -82,9 +89,10 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics) -> 
     # Timings and memory gate against the platform baseline on a GPU only (shared CPU cores are noisy).
     perf_gate = device.type == "cuda"
     for arm, log in logs.items():
-        rlk_metrics.record(f"{arm}_loss", log.loss, direction="two_sided", space="loss", tags=tags, gate=False)
-        rlk_metrics.record(f"{arm}_grad_norm", log.grad_norm, direction="two_sided", space="none", tags=tags,
+        rlk_metrics.record(f"{arm}_loss", log.loss, direction="two_sided", space="loss", tags={**tags, "arm": arm},
                            gate=False)
+        rlk_metrics.record(f"{arm}_grad_norm", log.grad_norm, direction="two_sided", space="none",
+                           tags={**tags, "arm": arm}, gate=False)
         for module, values in log.times_ms.items():
             rlk_metrics.record(f"{arm}_{module}_ms", values, unit="ms", direction="lower_is_better", space="time",
                                tags={**tags, "module": module, "arm": arm}, gate=perf_gate,
@@ -116,12 +124,12 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics) -> 
 
 @pytest.mark.tiny
 @pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.moe)])
-def test_tiny_training_step_kernels_match_reference(kind, kernels_arm, device, rlk_metrics):
-    run_case(TINY_CASES[kind], device, kernels_arm, rlk_metrics)
+def test_tiny_training_step_kernels_match_reference(kind, kernels_arm, device, rlk_metrics, rlk_progress):
+    run_case(TINY_CASES[kind], device, kernels_arm, rlk_metrics, rlk_progress)
 
 
 @pytest.mark.gpu
 @pytest.mark.gpu_mem(40)
-def test_qwen3_0p6b_sized_training_step(kernels_arm, rlk_metrics):
+def test_qwen3_0p6b_sized_training_step(kernels_arm, rlk_metrics, rlk_progress):
     """Qwen3-0.6B-sized random model, bf16 weights, fp32 logits [~2300, 151936]; baselines: h100."""
-    run_case(GPU_CASE, torch.device("cuda"), kernels_arm, rlk_metrics)
+    run_case(GPU_CASE, torch.device("cuda"), kernels_arm, rlk_metrics, rlk_progress)

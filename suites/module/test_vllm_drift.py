@@ -22,11 +22,15 @@ import shutil
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.integrations import vime as adapter
-from suites.module import train_step
-from suites.module import vime_standin as standin
+from pytest_rlk.extras import require_extra
+
+require_extra("transformers")  # the training forward
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels.integrations import vime as adapter  # noqa: E402
+from suites.module import train_step  # noqa: E402
+from suites.module import vime_standin as standin  # noqa: E402
 
 ABS_DIFF_CAP = 0.1  # vime --ci-train-rollout-logprob-abs-diff-threshold default
 # Both arms recompute fp32 log-probs of the same logits; they differ in the last bits (~1e-6),

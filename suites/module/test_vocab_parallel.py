@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from suites.module.vocab_parallel_worker import run_worker
+from pytest_rlk.extras import require_extra
+
+require_extra("megatron.core")  # imported by the worker processes
+
+from suites.module.vocab_parallel_worker import run_worker  # noqa: E402
 
 VOCAB = 96  # divisible by every TP size used here; small for the Triton interpreter on CPU
 SEED = 7
@@ -41,15 +45,17 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only varian
         pytest.param("nccl", 2, id="nccl-tp2", marks=pytest.mark.gpus(2)),
     ],
 )
-def test_vocab_parallel_kernels_match_megatron(backend, world, tmp_path, rlk_metrics):
+def test_vocab_parallel_kernels_match_megatron(backend, world, tmp_path, rlk_metrics, rlk_progress):
     rlk_metrics.set_seed("case", SEED)
-    mp.spawn(run_worker, args=(world, str(tmp_path / "init"), backend, str(tmp_path), VOCAB, SEED),
-             nprocs=world, join=True)
+    with rlk_progress.step(f"{world} {backend} rank process(es): Megatron, kernels off and on"):
+        mp.spawn(run_worker, args=(world, str(tmp_path / "init"), backend, str(tmp_path), VOCAB, SEED),
+                 nprocs=world, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r, out in enumerate(ranks):
         assert out["backend_ref"].startswith("reference"), f"rank {r}: {out['backend_ref']}"
         assert out["backend_kernels"].startswith("rlk-triton"), f"rank {r}: {out['backend_kernels']}"
         assert out["fallback_ref"] == 0.0 and out["fallback_kernels"] == 0.0
+        rlk_metrics.record_backend(out["backend_id_kernels"])
     failures = []
     for name, atol in TOLERANCES.items():
         worst = max(out[name] for out in ranks)

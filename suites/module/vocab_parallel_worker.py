@@ -82,6 +82,7 @@ def run_worker(rank: int, world: int, init_file: str, backend: str, out_dir: str
             loss, metrics, dlogits = run_adapter(args, batch, shard)
             arms[arm] = (logp, grad, loss, metrics, dlogits)
             out[f"backend_{arm}"] = adapter.backend_from_metrics(metrics) or ""
+            out[f"backend_id_{arm}"] = kernels.backend_id()
             out[f"fallback_{arm}"] = float(metrics["rlk_fallback"])
         ref, ker = arms["ref"], arms["kernels"]
         out["logp_megatron_vs_ref"] = _max_abs(logp_meg, ref[0])

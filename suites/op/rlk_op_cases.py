@@ -83,11 +83,44 @@ def loss_inputs(
     }
 
 
-def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object]) -> None:
-    """Record a max error (informational: the tolerance table is the gate)."""
+def record_error(rlk_metrics, name: str, result: tolerances.Closeness, tags: dict[str, object], *,
+                 band: dict[str, object]) -> None:
+    """Record a max error (informational: the tolerance table is the gate). ``band``
+    (:func:`tolerance_band`) is what an A/B of two such errors allows (``rlk diff --a-tag``)."""
     rlk_metrics.record(
-        name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False
+        name, result.max_abs_err, direction="lower_is_better", space="error", tags=tags, gate=False, band=band
     )
+
+
+def assert_close_and_record(
+    rlk_metrics, metric: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype,
+    tags: dict[str, object], *, name: str, upstream: torch.Tensor | float | None = None, terms: int | None = None,
+) -> tolerances.Closeness:
+    """``tolerances.assert_close``, then record the max error as ``metric`` with the op's tolerance
+    as its A/B band, so a tag diff over any tag (backend, dtype, ...) allows what the table allows."""
+    result = tolerances.assert_close(actual, expected, check, dtype, name=name, upstream=upstream, terms=terms)
+    tol = tolerances.get(check, dtype, upstream=upstream, terms=terms)
+    record_error(rlk_metrics, metric, result, tags, band=tolerance_band(check, dtype, tol, expected))
+    return result
+
+
+def tolerance_band(check: str, dtype: torch.dtype, tol: tolerances.Tolerance,
+                   expected: torch.Tensor) -> dict[str, object]:
+    """The tolerance of ``check`` as a bound on a max abs error: ``atol + rtol * max|ref|``, or
+    ``ulp`` x the output dtype's spacing at max|ref| (``expected``: the fp32 reference). An A/B
+    of two backends' errors then regresses only when B is worse than A by more than the op's
+    tolerance (0 -> 1.9e-6 is no regression for a logp within atol 1e-4)."""
+    ref = expected.detach().float()
+    peak = ref.abs().max() if ref.numel() else torch.zeros((), device=ref.device)
+    if tol.ulp is not None:
+        bound = tol.ulp * float(tolerances.spacing(peak.to(dtype).float(), dtype))
+    else:
+        bound = tol.atol + tol.rtol * float(peak)
+    name = tolerances.dtype_name(dtype)
+    base = tolerances.TABLE[(check, name, PLATFORM)]
+    scaled = "" if tol == base else "; scaled for this case by the table's rules"
+    return {"abs_floor": bound, "source": f"kernels.tolerances ({check}, {name}, {PLATFORM}): "
+                                          f"{base.describe()} at max|ref|{scaled} [{base.source}]"}
 
 
 def loss_upstream_grad(

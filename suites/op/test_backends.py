@@ -9,7 +9,8 @@ backend's ``supports(op, **case)`` rejects is SKIPPED with that reason: it is ne
 different math. A disagreement fails with backend, op, output, shape, dtype, max error and the
 worst element's index. Max errors (and, on a GPU, times) are recorded through ``rlk_metrics`` with
 tags {backend, backend_version, op, dtype, case}; each case's baseline id contains the backend id
-and version, so baselines are kept per backend. A table of all results is printed at the end.
+and version, so baselines are kept per backend. A table of all results goes to the run's
+``files/backends-parity.txt`` (the rlk summary names it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rlk_op_cases import (
     make_logits,
     record_error,
     summed_terms,
+    tolerance_band,
 )
 
 from kernels import backends, contracts, tolerances
@@ -112,29 +114,26 @@ ROWS: list[Row] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
-def backends_table(request):
+def backends_table(rlk_files):
+    """The results as one table in the run's files (named in the rlk summary), not on the
+    terminal in the middle of the progress dots."""
     yield
     if not ROWS:
         return
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        return
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        reporter.write_line("")
-        reporter.write_line("rlk backends: op parity vs the fp32 reference (max abs errors; GPU: median ms)")
-        unavailable: set[str] = set()
-        for row in ROWS:
-            if row.status.startswith("skip: backend "):  # not loadable: say it once, not per case
-                if row.backend not in unavailable:
-                    unavailable.add(row.backend)
-                    reporter.write_line(f"  {row.backend}: {row.status}")
-                continue
-            errs = " ".join(f"{k}={v:.2e}" for k, v in row.errors.items())
-            when = f" {row.time_ms:.3f} ms" if row.time_ms is not None else ""
-            reporter.write_line(f"  {row.backend:<30} {row.op:<17} {row.case:<36} {row.status}{when} {errs}")
-        for backend, _ in (loaded for loaded in _LOADED.values() if loaded[0] is not None):
-            reporter.write_line(f"  {backend.id}/{backend.version}: {backend.capabilities.extra or 'no extra capability notes'}")
+    lines = ["rlk backends: op parity vs the fp32 reference (max abs errors; GPU: median ms)"]
+    unavailable: set[str] = set()
+    for row in ROWS:
+        if row.status.startswith("skip: backend "):  # not loadable: say it once, not per case
+            if row.backend not in unavailable:
+                unavailable.add(row.backend)
+                lines.append(f"  {row.backend}: {row.status}")
+            continue
+        errs = " ".join(f"{k}={v:.2e}" for k, v in row.errors.items())
+        when = f" {row.time_ms:.3f} ms" if row.time_ms is not None else ""
+        lines.append(f"  {row.backend:<30} {row.op:<17} {row.case:<36} {row.status}{when} {errs}")
+    for backend, _ in (loaded for loaded in _LOADED.values() if loaded[0] is not None):
+        lines.append(f"  {backend.id}/{backend.version}: {backend.capabilities.extra or 'no extra capability notes'}")
+    rlk_files.path("backends-parity.txt", "backend parity table").write_text("\n".join(lines) + "\n")
     ROWS.clear()
 
 
@@ -156,6 +155,7 @@ class CaseRun:
         self.metrics = rlk_metrics
         self.failures: list[str] = []
         rlk_metrics.set_case(_case_name(f"backends.{op}.{case_id}.{backend.id}-{backend.version}"))
+        rlk_metrics.record_backend(f"{backend.id}/{backend.version}")
 
     def skip(self, reason: str) -> None:
         self.row.status = f"skip: {reason}"
@@ -177,7 +177,8 @@ class CaseRun:
             "backend": self.backend.id, "backend_version": self.backend.version, "op": self.op,
             "dtype": tolerances.dtype_name(dtype), "case": self.case_id,
         }
-        record_error(self.metrics, f"{what}_max_abs_err", result, tags)
+        record_error(self.metrics, f"{what}_max_abs_err", result, tags,
+                     band=tolerance_band(check, dtype, tol, expected))
         self.row.errors[what] = result.max_abs_err
         if not result.ok:
             idx = result.worst_index

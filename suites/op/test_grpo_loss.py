@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlk_op_cases import DEVICE, DTYPES, FULL_T, loss_inputs, loss_upstream_grad, record_error, summed_terms
+from rlk_op_cases import (
+    DEVICE,
+    DTYPES,
+    FULL_T,
+    assert_close_and_record,
+    loss_inputs,
+    loss_upstream_grad,
+    summed_terms,
+)
 
 import kernels
 from kernels import LossConfig, tolerances
@@ -72,15 +80,15 @@ def _parity(rlk_metrics, dtype_name, config_name, temperature, num_tokens, vocab
     tags = {"op": "grpo_loss", "dtype": dtype_name, "config": config_name, "temperature": temperature,
             "shape": f"{num_tokens}x{vocab}", "grad_scale": grad_scale}
     terms = summed_terms(config, inputs["loss_mask"])
-    err = tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss", terms=terms)
+    assert_close_and_record(rlk_metrics, "loss_max_abs_err", loss, ref_loss, "grpo_loss", dtype, tags, name="loss",
+                            terms=terms)
     for name in METRIC_NAMES:
         tolerances.assert_close(metrics[name], ref_metrics[name], "grpo_loss", dtype, name=name, terms=terms)
     upstream = loss_upstream_grad(
         inputs["logits"], inputs["target_ids"], _loss_kwargs(inputs, with_ref), config, temperature, grad_scale
     )
-    grad_err = tolerances.assert_close(grad, ref_grad, "grpo_loss.grad", dtype, name="dlogits", upstream=upstream)
-    record_error(rlk_metrics, "loss_max_abs_err", err, tags)
-    record_error(rlk_metrics, "dlogits_max_abs_err", grad_err, tags)
+    assert_close_and_record(rlk_metrics, "dlogits_max_abs_err", grad, ref_grad, "grpo_loss.grad", dtype, tags,
+                            name="dlogits", upstream=upstream)
     return loss, metrics
 
 

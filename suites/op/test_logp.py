@@ -17,9 +17,9 @@ from rlk_op_cases import (
     SMALL_T,
     SMALL_V,
     TEMPERATURES,
+    assert_close_and_record,
     make_ids,
     make_logits,
-    record_error,
 )
 
 import kernels
@@ -45,10 +45,9 @@ def _parity(rlk_metrics, num_tokens: int, vocab: int, dtype_name: str, temperatu
     ignored = ids == kernels.IGNORE_INDEX
     assert bool((out[ignored] == 0).all()) and bool((logits.grad[ignored] == 0).all())
     tags = {"op": "logp", "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}", "temperature": temperature}
-    values = tolerances.assert_close(out, expected, "logp", dtype, name="logp")
-    grads = tolerances.assert_close(logits.grad, upcast.grad, "logp.grad", dtype, name="dlogits", upstream=grad_out)
-    record_error(rlk_metrics, "logp_max_abs_err", values, tags)
-    record_error(rlk_metrics, "dlogits_max_abs_err", grads, tags)
+    assert_close_and_record(rlk_metrics, "logp_max_abs_err", out, expected, "logp", dtype, tags, name="logp")
+    assert_close_and_record(rlk_metrics, "dlogits_max_abs_err", logits.grad, upcast.grad, "logp.grad", dtype, tags,
+                            name="dlogits", upstream=grad_out)
     rlk_metrics.record_fallbacks(kernels.fallback_counts())
 
 

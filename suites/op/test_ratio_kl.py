@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlk_op_cases import DEVICE, generator, record_error
+from rlk_op_cases import DEVICE, assert_close_and_record, generator
 
 import kernels
 from kernels import tolerances
@@ -41,11 +41,9 @@ def test_ratio_kl_parity(triton_strict, rlk_metrics, kl_type, use_unbiased_kl, n
     e_ratio, e_kl, e_grad = _run(reference_ratio_kl, *inputs, **kw)
     tags = {"op": "ratio_kl", "kl_type": kl_type, "unbiased": use_unbiased_kl, "shape": num_tokens}
     tolerances.assert_close(ratio, e_ratio, "ratio_kl", torch.float32, name="ratio")
-    record_error(rlk_metrics, "kl_max_abs_err", tolerances.assert_close(kl, e_kl, "ratio_kl", torch.float32, name="kl"), tags)
-    record_error(
-        rlk_metrics, "dlogp_max_abs_err",
-        tolerances.assert_close(grad, e_grad, "ratio_kl.grad", torch.float32, name="dlogp"), tags,
-    )
+    assert_close_and_record(rlk_metrics, "kl_max_abs_err", kl, e_kl, "ratio_kl", torch.float32, tags, name="kl")
+    assert_close_and_record(rlk_metrics, "dlogp_max_abs_err", grad, e_grad, "ratio_kl.grad", torch.float32, tags,
+                            name="dlogp")
     masked = ~inputs[3]
     assert bool((ratio[masked] == 0).all()) and bool((grad[masked] == 0).all())
 

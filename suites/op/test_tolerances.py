@@ -90,3 +90,23 @@ def test_loss_gradient_atol_adds_the_logp_error_carried_by_its_upstream_gradient
     assert tolerances.get("grpo_loss.grad", "fp32", "gpu", upstream=9.0).atol == pytest.approx(9 * (grad.atol + logp.atol))
     assert tolerances.get("grpo_loss.grad", "fp32", "gpu", upstream=0.1).atol == pytest.approx(grad.atol + 0.1 * logp.atol)
     assert tolerances.get("grpo_loss.grad", "bf16", "gpu", upstream=9.0).ulp == 1
+
+
+def test_tolerance_band_bounds_a_max_error_by_the_table():
+    """The band an A/B of two backends' errors uses (rlk_op_cases.tolerance_band): the tolerance
+    at the largest reference magnitude, named with its table entry."""
+    from rlk_op_cases import PLATFORM, tolerance_band
+
+    from pytest_rlk.compare import compare_value
+    from pytest_rlk.schema import Band
+
+    ref = torch.tensor([-0.5, 10.0])
+    band = tolerance_band("grpo_loss", torch.float32, tolerances.get("grpo_loss", torch.float32), ref)
+    assert band["abs_floor"] == pytest.approx(1e-5 + 1e-6 * 10.0)
+    assert band["source"].startswith(f"kernels.tolerances (grpo_loss, fp32, {PLATFORM}): atol 1e-05, rtol 1e-06")
+    grad = tolerance_band("logp.grad", torch.bfloat16, tolerances.get("logp.grad", torch.bfloat16),
+                          torch.tensor([0.75, -0.1]))
+    assert grad["abs_floor"] == pytest.approx(2.0 ** -8)  # one bf16 ulp at 0.75
+    logp = tolerance_band("logp", torch.bfloat16, tolerances.get("logp", torch.bfloat16), torch.tensor([-3.0]))
+    verdict = compare_value("logp_max_abs_err", 0.0, 1.9e-6, direction="lower_is_better", band=Band(**logp))
+    assert verdict.verdict.value == "pass"  # within atol 1e-4: no regression from an exact 0

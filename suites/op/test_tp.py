@@ -86,9 +86,10 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> 
     dist.destroy_process_group()
 
 
-def _check_tp2(tmp_path, backend: str, device: str) -> None:
+def _check_tp2(tmp_path, backend: str, device: str, progress) -> None:
     world = 2
-    mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path), backend), nprocs=world, join=True)
+    with progress.step(f"{world} {backend} rank processes"):
+        mp.spawn(_tp_worker, args=(world, _free_port(), str(tmp_path), backend), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     platform = "gpu" if device != "cpu" else "cpu"
     for i, temperature in enumerate((1.0, 0.7)):
@@ -110,11 +111,11 @@ def _check_tp2(tmp_path, backend: str, device: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo/interpreter lane is the CPU lane")
-def test_tp2_gloo_matches_tp1(tmp_path):
+def test_tp2_gloo_matches_tp1(tmp_path, rlk_progress):
     assert os.environ.get("TRITON_INTERPRET") == "1", "suites/op/conftest.py must set TRITON_INTERPRET on CPU"
-    _check_tp2(tmp_path, "gloo", "cpu")
+    _check_tp2(tmp_path, "gloo", "cpu", rlk_progress)
 
 
 @pytest.mark.gpus(2)
-def test_tp2_nccl_matches_tp1(tmp_path):
-    _check_tp2(tmp_path, "nccl", "cuda:0")
+def test_tp2_nccl_matches_tp1(tmp_path, rlk_progress):
+    _check_tp2(tmp_path, "nccl", "cuda:0", rlk_progress)

@@ -47,14 +47,18 @@ def test_diff_clean_run_exits_0(two_runs):
     assert done.returncode == 0, done.stderr
     header = done.stdout.splitlines()[1].split()
     assert header == ["metric", "baseline", "new", "delta", "band", "verdict"]
-    assert "test_gated.test_gated/loss" in done.stdout and "2 pass" in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[3] == "test_gated.test_gated"  # the case, then its metrics indented under it
+    assert lines[4].split()[0] == "loss" and lines[4].startswith("  ") and "2 pass" in done.stdout
+    wide = rlk("diff", str(clean), "--baselines", "baselines", "--wide", cwd=pytester.path)
+    assert "test_gated.test_gated/loss" in wide.stdout
 
 
 def test_diff_regression_exits_1(two_runs):
     pytester, _, regressed = two_runs
     done = rlk("diff", str(regressed / "run.json"), "--baselines", "baselines", cwd=pytester.path)
     assert done.returncode == 1
-    loss_row = next(line for line in done.stdout.splitlines() if "/loss" in line)
+    loss_row = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["loss"])
     assert loss_row.split()[1:] == ["1", "1.05", "0.05", "0.01", "regression"]
 
 
@@ -70,7 +74,8 @@ def test_diff_ab_pair(two_runs, capsys):
     assert cli.main(["diff", str(clean), str(regressed)]) == 1
     assert "regression" in capsys.readouterr().out
     assert cli.main(["diff", str(regressed), str(clean)]) == 0  # B better: flagged, not failed
-    assert "improved (refresh the baseline)" in capsys.readouterr().out
+    assert "improved: better than the reference beyond the refresh band (refresh the baseline)" \
+        in capsys.readouterr().out
     assert cli.main(["diff", str(regressed), str(clean), "--fail-on-improvement"]) == 1
 
 
@@ -114,3 +119,57 @@ def test_broken_extension_warns_and_builtins_still_work(monkeypatch, capsys, tmp
     assert "warning: subcommands of pytest_rlk.bench_cli not loaded" in err
     assert "a_module_that_does_not_exist_here" in err
     assert "none" in err  # the merge error names the missing run
+
+
+def test_run_ids_are_accepted_wherever_a_run_is(two_runs):
+    """The id the summary and the report show (the run directory's name), resolved under the
+    default artifacts directory (.rlk/runs here or in a parent) or --artifacts."""
+    pytester, clean, regressed = two_runs
+    sub = pytester.path / "suites"
+    assert rlk("diff", clean.name, "--baselines", "../baselines", cwd=sub).returncode == 0
+    assert rlk("diff", regressed.name, "--baselines", "../baselines", cwd=sub).returncode == 1
+    assert rlk("diff", clean.name, regressed.name, cwd=sub).returncode == 1
+    assert rlk("merge", clean.name, cwd=sub).returncode == 0
+    done = rlk("report", regressed.name, "--no-plots", cwd=sub)
+    assert done.returncode == 0, done.stderr
+    assert (regressed / "report" / "report.md").exists()
+    elsewhere = rlk("--artifacts", str(pytester.path / ".rlk/runs"), "diff", clean.name,
+                    "--baselines", "baselines", cwd=pytester.path)
+    assert elsewhere.returncode == 0
+    typo = rlk("diff", clean.name[:-1] + "x", cwd=pytester.path)
+    assert typo.returncode == 2
+    assert "not a run directory, run.json file or run id under " in typo.stderr
+    assert clean.name in typo.stderr and regressed.name in typo.stderr
+
+
+LONG_NAMES = """
+import pytest
+
+@pytest.mark.parametrize("variant", ["gspo-temp-unbiased-k2-reference", "dualclip-nokl-kernels"])
+def test_custom_loss_matches_vime_math_with_a_long_name(rlk_metrics, variant):
+    for name in ("kernels_train_rollout_logprob_abs_diff", "dlogits_logp_kernels_vs_megatron", "loss_abs_err"):
+        rlk_metrics.record(name, 1.23456789e-7, direction="lower_is_better", space="error",
+                           band={"abs_floor": 1e-5, "source": "the test's tolerance " + "(where it comes from) " * 8})
+"""
+
+
+def test_diff_table_fits_120_columns_and_says_how_to_record_missing_baselines(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/module/test_long_names_of_a_module_suite": LONG_NAMES})
+    rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu").assert_outcomes(passed=2)
+    missing = rlk("diff", "latest", cwd=rlk_pytester.path)
+    assert missing.returncode == 0
+    hint, command = missing.stdout.splitlines()[-2:]
+    assert hint == "no baseline for 2 cases under baselines/module/cpu/; record them with:"
+    # the run's own command line (pytester adds its --basetemp) with --rlk-update-baselines=failed
+    assert command.startswith("  pytest --rlk-tier=module --rlk-platform=cpu ")
+    assert command.endswith(" --rlk-update-baselines=failed")
+    recording = rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu", "--rlk-update-baselines=failed")
+    recording.stdout.fnmatch_lines(["baselines written: 2"])
+    assert "record them with" not in recording.stdout.str()  # it just did
+    rlk_pytester.runpytest("--rlk-tier=module", "--rlk-platform=cpu").assert_outcomes(passed=2)
+    done = rlk("diff", "latest", cwd=rlk_pytester.path)
+    assert done.returncode == 0 and "6 pass" in done.stdout
+    lines = done.stdout.splitlines()[1:]
+    assert max(len(line) for line in lines) <= 120, done.stdout  # a case name is never split
+    notes = lines[lines.index(next(line for line in lines if line.startswith("band source:"))):]
+    assert len(notes) > 2 and max(len(line) for line in notes) <= 100, done.stdout  # notes wrap

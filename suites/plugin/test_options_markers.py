@@ -6,7 +6,7 @@ from pathlib import PurePath
 
 import pytest
 
-from pytest_rlk import options
+from pytest_rlk import markers, options
 from pytest_rlk.markers import ServeContext, marker_lines, tier_of, unserved_reason
 from pytest_rlk.platform import detect, tag_for, with_override
 from pytest_rlk.recorder import MetricError, MetricRecorder, case_from_nodeid
@@ -172,3 +172,33 @@ def test_parse_platform_tag():
     assert options.parse_platform("h200") == "h200"
     with pytest.raises(options.OptionError, match="--rlk-platform: '../x' is not a platform tag"):
         options.parse_platform("../x")
+
+
+def test_runnable_on_names_every_platform_a_test_can_run_on():
+    everywhere = ("h100", "h200", "a100", "gb200", "gpu", "cpu")
+    assert markers.runnable_on([]) == everywhere
+    assert markers.runnable_on(["cpu", "tiny"]) == everywhere
+    assert markers.runnable_on(["gpu"]) == ("h100", "h200", "a100", "gb200", "gpu")
+    assert markers.runnable_on(["gpus", "bench"]) == ("h100", "h200", "a100", "gb200", "gpu")
+    assert markers.runnable_on(["gpu_mem"]) == ("h100", "h200", "a100", "gb200", "gpu")
+    assert markers.runnable_on(["h200", "gpus"]) == ("h200", "gpu")
+    assert markers.runnable_on(["h100", "h200"]) == ("h100", "h200", "gpu")
+
+
+def _getoption(**given):
+    defaults = {"rlk_tier": "op", "rlk_require_baselines": False, "rlk_fail_on_improvement": False}
+    return lambda name: given.get(name, defaults.get(name))
+
+
+def test_artifacts_and_baselines_that_cannot_work_are_option_errors(tmp_path):
+    a_file = tmp_path / "runs.txt"
+    a_file.write_text("")
+    with pytest.raises(options.OptionError, match=r"--rlk-artifacts: '.*runs.txt' is a file, not a directory"):
+        options.build_options(_getoption(rlk_artifacts=str(a_file)), tmp_path)
+    typo = str(tmp_path / "baselnes")
+    with pytest.raises(options.OptionError, match=r"--rlk-baselines: '.*baselnes' is not a directory \(record "
+                                                  r"into a new one with --rlk-update-baselines\)"):
+        options.build_options(_getoption(rlk_baselines=typo), tmp_path)
+    # recording into a new directory, and the default baselines/ of a fresh checkout, are fine
+    assert options.build_options(_getoption(rlk_baselines=typo, rlk_update_baselines="all"), tmp_path)
+    assert options.build_options(_getoption(), tmp_path).baselines == tmp_path / "baselines"

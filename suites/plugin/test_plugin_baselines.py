@@ -45,7 +45,11 @@ def _ref(pytester, rel, metric):
 
 
 def test_missing_baseline_passes_without_require(gated):
-    _run(gated).assert_outcomes(passed=2)
+    result = _run(gated)
+    result.assert_outcomes(passed=2)
+    # (pytester adds --basetemp to the command line; a real run shows exactly what was typed)
+    result.stdout.fnmatch_lines(["  no baseline for 2 cases under baselines/op/cpu/; record them with:",
+                                 "    pytest --rlk-platform=cpu *--rlk-update-baselines=failed"])
     run = latest_run(gated)
     assert all(c.verdict is Verdict.MISSING_BASELINE for t in run.tests for c in t.gate.comparisons)
     assert not (gated.path / "baselines").exists()  # never written without --rlk-update-baselines
@@ -140,14 +144,20 @@ def test_a_test_that_changes_what_gates_passes_and_is_re_recorded_by_failed_mode
     result.stdout.fnmatch_lines(["gate: 1 pass"])
 
 
-def test_corrupt_baseline_names_file_and_field(gated):
+def test_corrupt_baseline_names_file_and_field_once_and_in_the_summary(gated):
     _run(gated, "--rlk-update-baselines=all")
     data = json.loads((gated.path / SECOND).read_text())
     data["metrics"]["reward"]["direction"] = "upwards"
     (gated.path / SECOND).write_text(json.dumps(data))
     result = _run(gated)
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*rlk gate error: *second-case.json: field 'metrics.reward.direction'*"])
+    message = "second-case.json: field 'metrics.reward.direction'"
+    result.stdout.fnmatch_lines([f"*rlk gate error: *{message}*"])
+    failures = result.stdout.str().split("= FAILURES =", 1)[1].split("= rlk =", 1)[0]
+    assert failures.count(message) == 1, failures  # no chained traceback repeating it
+    assert "During handling of the above exception" not in failures
+    result.stdout.fnmatch_lines(["gate: 2 pass; 1 gate error:", f"  gate error: *{message}*"])
+    assert message in next(t for t in latest_run(gated).tests if t.case == "second-case").gate_error
 
 
 def test_unparsable_baseline_names_file(gated):

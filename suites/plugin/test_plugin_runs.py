@@ -70,7 +70,7 @@ def test_hw():
 """})
     result = rlk_pytester.runpytest_subprocess("-n", "2", "--rlk-platform=cpu", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=6, skipped=1)
-    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (7 tests)", "skipped by hardware/resources: 1",
+    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (7 tests)", "skipped: 1 (hardware/resources 1)",
                                  "gate: 6 missing_baseline"])
     run_dir = latest_run_dir(rlk_pytester)
     assert sorted(p.name for p in (run_dir / "parts").glob("*.json")) == ["gw0.json", "gw1.json"]
@@ -153,3 +153,80 @@ def test_kernel_fallback_counts_are_recorded(rlk_pytester):
     run = latest_run(rlk_pytester)
     assert run.fallback_counts == {"logp": 2} and run.tests[0].fallback_counts == {"logp": 2}
     assert run.manifest.kernel_backend_ids == ["standin/0"]
+
+
+def test_latest_skips_runs_without_results_and_names_partial_ones(rlk_pytester, capsys):
+    rlk_pytester.makepyfile(**{"suites/op/test_one": "def test_one(rlk_metrics):\n"
+                                                     "    rlk_metrics.record('v', 1.0, direction='two_sided')\n"})
+    rlk_pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    with_results = latest_run_dir(rlk_pytester).resolve()
+    stray = rlk_pytester.runpytest("-p", "no:cacheprovider", "-k", "no_such_test")
+    assert stray.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    stray.stdout.fnmatch_lines(["latest: not moved (this run recorded no test)"])
+    assert "rlk diff" not in stray.stdout.str()  # nothing of this run to diff or report
+    assert latest_run_dir(rlk_pytester).resolve() == with_results
+    runs = str(rlk_pytester.path / ".rlk" / "runs")
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
+    assert "1 missing_baseline" in capsys.readouterr().out
+    rlk_pytester.makepyfile(**{"suites/op/test_int": INTERRUPTED})
+    assert rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == pytest.ExitCode.INTERRUPTED
+    assert latest_run_dir(rlk_pytester).resolve() != with_results  # it has results: it is latest
+    capsys.readouterr()
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]  # test_int.py ran first: 1 test before Ctrl-C
+    assert "(interrupted: partial, 1 of 4 tests recorded)" in header
+
+
+def test_run_files_are_named_in_the_summary(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_table": """
+import pytest
+
+@pytest.fixture(scope="module", autouse=True)
+def table(rlk_files):
+    rows = []
+    yield rows
+    rlk_files.path("parity.txt", "parity table").write_text("\\n".join(rows) + "\\n")
+
+@pytest.mark.parametrize("i", range(3))
+def test_row(table, i):
+    table.append(f"row {i}")
+"""})
+    result = rlk_pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["file: parity table: .rlk/runs/*/files/parity.txt"])
+    run = latest_run(rlk_pytester)
+    assert open(run.files["parity table"]).read() == "row 0\nrow 1\nrow 2\n"
+
+
+PROGRESS = """
+import pytest
+
+@pytest.fixture(scope="module")
+def engine(rlk_progress):
+    with rlk_progress.step("engine: load"):
+        print("captured engine output")
+    return "engine"
+
+def test_before():
+    pass
+
+def test_first(engine, rlk_progress):
+    rlk_progress("generating 4 prompts")
+
+def test_second():
+    pass
+"""
+
+
+def test_progress_lines_reach_the_terminal_through_capture(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_progress": PROGRESS})
+    result = rlk_pytester.runpytest("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([".",  # test_before's dot, then a line of its own for the progress
+                                 "rlk: test_first: engine: load ...",
+                                 "rlk: test_first: engine: load: done in 0 s",
+                                 "rlk: test_first: generating 4 prompts",
+                                 ".*[[]100%[]]"])
+    assert "captured engine output" not in result.stdout.str()  # the test's own output stays captured
+    quiet = rlk_pytester.runpytest("-qq", "-p", "no:cacheprovider")
+    assert "rlk: test_first" not in quiet.stdout.str()

@@ -103,7 +103,7 @@ def test_hardware_markers_skip_with_reasons(rlk_pytester):
         "*needs an H100 (this machine: cpu, 0 GPUs); needs 2 GPUs (found 0)*",
         "*needs 80 GB GPU memory (found 0)*",
         "*needs checkpoint qwen3_4b under --rlk-model-root (not given)*",
-        "skipped by hardware/resources: 4",
+        "skipped: 4 (hardware/resources 4)",
     ])
     run = latest_run(rlk_pytester)
     assert sum(t.unserved for t in run.tests) == 4
@@ -113,8 +113,73 @@ def test_dash_m_h200_on_cpu_skips_and_exits_0(rlk_pytester):
     rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=cpu", "-rs")
     assert result.ret == pytest.ExitCode.OK
-    result.assert_outcomes(skipped=1, deselected=4)
-    result.stdout.fnmatch_lines(["*needs an H200 (this machine: cpu, 0 GPUs)*"])
+    # what an H200 node runs: all but the H100-only test; this CPU machine serves the cpu test
+    result.assert_outcomes(passed=1, skipped=3, deselected=1)
+    result.stdout.fnmatch_lines_random(["*needs an H200 (this machine: cpu, 0 GPUs)*",
+                                        "*needs 80 GB GPU memory (found 0)*"])
+
+
+PLATFORM_TESTS = """
+import pytest
+
+def test_anywhere():
+    pass
+
+@pytest.mark.cpu
+def test_cpu():
+    pass
+
+@pytest.mark.gpu
+def test_any_gpu():
+    pass
+
+@pytest.mark.gpus(2)
+def test_two_gpus():
+    pass
+
+@pytest.mark.h100
+def test_h100_only():
+    pass
+
+@pytest.mark.h200
+def test_h200_only():
+    pass
+
+@pytest.mark.h100
+@pytest.mark.h200
+def test_hopper():
+    pass
+"""
+
+
+@pytest.mark.parametrize("expr, selected", [
+    ("h100", {"anywhere", "cpu", "any_gpu", "two_gpus", "h100_only", "hopper"}),
+    ("h200", {"anywhere", "cpu", "any_gpu", "two_gpus", "h200_only", "hopper"}),
+    ("a100", {"anywhere", "cpu", "any_gpu", "two_gpus"}),
+    ("cpu", {"anywhere", "cpu"}),
+    ("gpu", {"anywhere", "cpu", "any_gpu", "two_gpus", "h100_only", "h200_only", "hopper"}),
+    ("gpu and not cpu", {"any_gpu", "two_gpus", "h100_only", "h200_only", "hopper"}),
+])
+def test_dash_m_selects_what_that_platform_runs(rlk_pytester, expr, selected):
+    rlk_pytester.makepyfile(**{"suites/op/test_plat": PLATFORM_TESTS})
+    result = rlk_pytester.runpytest("-m", expr, "--rlk-platform=cpu", "--strict-markers", "-rs")
+    run = latest_run(rlk_pytester)
+    assert {t.nodeid.split("::test_")[1] for t in run.tests} == selected
+    # on this CPU machine the GPU tests among them skip, naming the hardware
+    ran = {t.nodeid.split("::test_")[1] for t in run.tests if t.outcome == "passed"}
+    assert ran == selected & {"anywhere", "cpu"}
+    assert all(t.unserved and "needs" in t.skip_reason for t in run.tests if t.outcome == "skipped")
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_dash_m_h100_on_cpu_names_the_missing_hardware(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_plat": PLATFORM_TESTS})
+    result = rlk_pytester.runpytest("--rlk-tier=op,module", "-m", "h100", "--rlk-platform=cpu", "-rs")
+    result.assert_outcomes(passed=2, skipped=4, deselected=1)
+    result.stdout.fnmatch_lines_random(["*test_plat.py:* needs a GPU (this machine: cpu, 0 GPUs)*",
+                                        "*needs 2 GPUs (found 0)*",
+                                        "*needs an H100 (this machine: cpu, 0 GPUs)*",
+                                        "*needs an H100 or H200 (this machine: cpu, 0 GPUs)*"])
 
 
 H100_MACHINE = '''
@@ -143,7 +208,7 @@ def test_cpu_override_on_a_gpu_machine_skips_exactly_like_cpu(rlk_pytester):
 
 def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
     """Documented choice: the plugin does not mask "no tests collected"."""
-    rlk_pytester.makepyfile(**{"suites/e2e/test_plain": TEST_BODY.format(name="plain")})
+    rlk_pytester.makepyfile(**{"suites/e2e/test_h100": "import pytest\n\n@pytest.mark.h100\ndef test_h100():\n    pass\n"})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200")
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
 
@@ -151,7 +216,8 @@ def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
 def test_platform_override_serves_the_marker(rlk_pytester):
     rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=h200")
-    result.assert_outcomes(passed=1, deselected=4)
+    # the h200 test and the cpu one run; the GPU-memory and checkpoint ones still skip
+    result.assert_outcomes(passed=2, skipped=2, deselected=1)
     assert latest_run(rlk_pytester).manifest.platform.tag == "h200"
 
 
@@ -165,12 +231,58 @@ def test_vime_marker_needs_vime_root(rlk_pytester, tmp_path):
     bad.stderr.fnmatch_lines(["*--rlk-vime-root:*nope*is not a directory*"])
 
 
-def test_backend_option_is_exported_for_the_session(rlk_pytester):
-    rlk_pytester.makepyfile(**{"suites/op/test_b": (
+MY_BACKENDS = """
+from kernels.backends.reference import make_backend as make_reference
+
+
+def make():
+    return make_reference()
+
+
+def make_nothing():
+    return 42
+
+
+def make_broken():
+    raise RuntimeError("no device for this backend")
+"""
+
+
+@pytest.fixture(scope="module")
+def with_kernels():
+    """The backend check imports torch: import it here, before any pytester run of this module
+    starts (a module-scoped fixture is set up first). Each in-process pytester run drops the
+    modules imported during it, and torch does not survive being imported twice."""
+    pytest.importorskip("torch", reason="the backend checks load kernels.backends (torch)")
+    import kernels.backends.reference  # noqa: F401  (what my_pkg.backends imports)
+
+
+def test_backend_option_is_exported_for_the_session(rlk_pytester, with_kernels):
+    rlk_pytester.makepyfile(**{"my_pkg/__init__": "", "my_pkg/backends": MY_BACKENDS, "suites/op/test_b": (
         "import os\n\ndef test_b():\n    assert os.environ['VIME_RL_KERNEL_BACKEND'] == 'my_pkg.backends:make'\n")})
+    rlk_pytester.syspathinsert()
     rlk_pytester.runpytest("--rlk-backend=my_pkg.backends:make").assert_outcomes(passed=1)
     assert "VIME_RL_KERNEL_BACKEND" not in os.environ  # restored after the session
     assert latest_run(rlk_pytester).manifest.kernel_backend_option == "my_pkg.backends:make"
+
+
+@pytest.mark.parametrize("tier", ["op", "module", "e2e"])
+@pytest.mark.parametrize("backend, why", [
+    ("nosuch_pkg.backend:make", "cannot import backend module 'nosuch_pkg.backend' (No module named 'nosuch_pkg')"),
+    ("my_pkg.backends:nosuch", "backend module 'my_pkg.backends' has no attribute 'nosuch'"),
+    ("my_pkg.backends:make_nothing", "backend 'my_pkg.backends:make_nothing' lacks 'id'"),
+    ("my_pkg.backends:make_broken", "its factory raised RuntimeError: no device for this backend"),
+    ("nosuch_backend", "unknown backend 'nosuch_backend'"),
+])
+def test_a_backend_that_cannot_load_is_a_usage_error_at_startup(rlk_pytester, with_kernels, tier, backend, why):
+    rlk_pytester.makepyfile(**{"my_pkg/__init__": "", "my_pkg/backends": MY_BACKENDS,
+                               f"suites/{tier}/test_b": "def test_b():\n    pass\n"})
+    rlk_pytester.syspathinsert()
+    result = rlk_pytester.runpytest(f"--rlk-tier={tier}", "--rlk-backend", backend)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --rlk-backend {backend!r}: {why}*"])
+    assert "Traceback" not in result.stderr.str()
+    assert not (rlk_pytester.path / ".rlk").exists()  # nothing ran, no run was started
 
 
 def test_bad_marker_argument_fails_the_test(rlk_pytester):
@@ -210,3 +322,18 @@ def test_every_marker_passes_strict_markers(rlk_pytester):
     result = rlk_pytester.runpytest("--strict-markers", "--rlk-platform=cpu", "-rs")
     assert result.ret == pytest.ExitCode.OK
     result.assert_outcomes(skipped=1)  # collected (no unknown-marker error), skipped for hardware
+
+
+def test_a_path_option_pytest_took_for_its_rootdir_is_a_usage_error(rlk_pytester, tmp_path_factory):
+    """`--rlk-artifacts DIR` (two words) with DIR outside the project: pytest reads its
+    configuration before plugin options are known, takes DIR for a test path and its rootdir,
+    and never reads the project's configuration; the plugin says so and names the fix."""
+    rlk_pytester.makepyprojecttoml('[tool.pytest.ini_options]\ntestpaths = ["suites"]\n')
+    rlk_pytester.makepyfile(**{"suites/op/test_one": TEST_BODY.format(name="one")})
+    outside = tmp_path_factory.mktemp("runs_elsewhere")
+    result = rlk_pytester.runpytest("--rlk-artifacts", str(outside))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --rlk-artifacts {outside}: pytest took * for a test path and its rootdir*"
+                                 f"write --rlk-artifacts={outside}"])
+    rlk_pytester.runpytest(f"--rlk-artifacts={outside}").assert_outcomes(passed=1)
+    rlk_pytester.runpytest("--rlk-artifacts", str(rlk_pytester.path / "runs")).assert_outcomes(passed=1)  # not there yet

@@ -43,3 +43,16 @@ def test_running_run_of_a_live_controller_is_not_called_crashed(tmp_path):
                           capture_output=True, text=True, check=True)
     storage.write_run(run_dir, header.model_copy(update={"pid": int(dead.stdout)}))
     assert session.merge_run(run_dir).status == "crashed"
+
+
+def test_latest_moves_only_when_a_run_records_a_result(tmp_path):
+    first = _start(tmp_path)
+    session.PartWriter(first, "main").add(_test("t1", 1.0))
+    assert (tmp_path / "runs" / "latest").resolve() == first.resolve()
+    empty = _start(tmp_path)  # selected nothing, or stopped before its first test
+    session.PartWriter(empty, "main").flush()
+    session.merge_run(empty, status="complete", exit_status=5)
+    assert (tmp_path / "runs" / "latest").resolve() == first.resolve()
+    second = _start(tmp_path)
+    session.PartWriter(second, "gw0").add(_test("t2", 2.0))
+    assert (tmp_path / "runs" / "latest").resolve() == second.resolve()

@@ -74,3 +74,34 @@ def test_resolve_run_arguments(tmp_path):
     assert storage.resolve_run_file(run_dir) == run_dir / "run.json"
     with pytest.raises(storage.RlkFileError, match="no latest run"):
         storage.resolve_run_dir("latest", tmp_path / "empty")
+
+
+def _runs(tmp_path, *ids):
+    for run_id in ids:
+        (tmp_path / run_id).mkdir(parents=True)
+        (tmp_path / run_id / "run.json").write_text("{}")
+    return tmp_path
+
+
+def test_run_id_as_shown_by_the_report_resolves_under_the_artifacts_dir(tmp_path, monkeypatch):
+    runs = _runs(tmp_path / "runs", "20261124T152510Z-c80992", "20261124T160000Z-aaaaaa")
+    assert storage.resolve_run_dir("20261124T152510Z-c80992", runs) == runs / "20261124T152510Z-c80992"
+    assert storage.resolve_run_file("20261124T152510Z-c80992", runs) == runs / "20261124T152510Z-c80992" / "run.json"
+    # without --artifacts: .rlk/runs of the current directory or of a parent (like git)
+    project = tmp_path / "project"
+    _runs(project / ".rlk" / "runs", "20261124T170000Z-bbbbbb")
+    (project / "suites" / "op").mkdir(parents=True)
+    monkeypatch.chdir(project / "suites" / "op")
+    found = storage.resolve_run_dir("20261124T170000Z-bbbbbb")
+    assert found.resolve() == (project / ".rlk" / "runs" / "20261124T170000Z-bbbbbb").resolve()
+
+
+def test_unknown_run_id_lists_the_nearest_ids(tmp_path):
+    runs = _runs(tmp_path / "runs", "20261124T152510Z-c80992", "20261124T160000Z-aaaaaa")
+    with pytest.raises(storage.RlkFileError) as info:
+        storage.resolve_run_dir("20261124T152510Z-c80993", runs)
+    message = str(info.value)
+    assert message.startswith("20261124T152510Z-c80993: not a run directory, run.json file or run id")
+    assert "2 runs; nearest and newest: 20261124T152510Z-c80992, 20261124T160000Z-aaaaaa" in message
+    with pytest.raises(storage.RlkFileError, match=r"no runs under .*empty"):
+        storage.resolve_run_dir("20261124T152510Z-c80992", tmp_path / "empty")

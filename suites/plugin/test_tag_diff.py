@@ -55,7 +55,7 @@ def test_two_backends_pair_by_the_other_tags(backends_run):
 
 def test_cli_exit_codes_and_table(backends_run, capsys):
     run_dir = str(latest_run_dir(backends_run))
-    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=rl_engine"]) == 1
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=rl_engine", "--wide"]) == 1
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("case=T8,dtype=bf16,op=logp/"))
     assert row.split() == ["case=T8,dtype=bf16,op=logp/logp_max_abs_err", "1e-06", "3e-06", "2e-06", "1e-06",
@@ -85,3 +85,51 @@ def test_bad_selectors_are_usage_errors(backends_run, capsys):
             del metric.tags["case"]
     with pytest.raises(OptionError, match=r"side A: metric 'logp_max_abs_err' .* both .*T8.*T64"):
         diff_tag_selections(run, {"backend": "rlk-triton"}, {"backend": "rl_engine"})
+
+
+def test_table_columns_are_titled_with_the_tags(backends_run, capsys):
+    run_dir = str(latest_run_dir(backends_run))
+    cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=rl_engine", "--wide"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("metric"))
+    assert header.split() == ["metric", "A:backend=rlk-triton", "B:backend=rl_engine", "delta", "band", "verdict"]
+
+
+@pytest.mark.parametrize("b_tag, message", [
+    ("backend=rl_engne", "--b-tag backend=rl_engne matches no metric of this run; values of 'backend' in it: "
+                         "rl_engine, rlk-triton"),
+    ("bakend=rl_engine", "--b-tag bakend=rl_engine matches no metric of this run; its tags: backend, "
+                         "backend_version, case, dtype, op"),
+])
+def test_a_tag_matching_nothing_is_an_error_naming_it(backends_run, capsys, b_tag, message):
+    run_dir = str(latest_run_dir(backends_run))
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", b_tag]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tags_matching_separately_but_not_together_are_an_error(backends_run, capsys):
+    run_dir = str(latest_run_dir(backends_run))
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton",
+                     "--b-tag", "backend=rl_engine", "--b-tag", "op=grpo_loss"]) == 2
+    assert "--b-tag backend=rl_engine,op=grpo_loss: each tag matches metrics, but no metric has all of them" \
+        in capsys.readouterr().err
+
+
+def test_an_error_within_the_tolerance_is_no_regression_from_zero(rlk_pytester, capsys):
+    """The band of an A/B of errors is the op's tolerance (recorded with the metric): 0 -> 1.9e-6
+    stays within it, where the default error band (rel 1.0 of 0) would call it a regression."""
+    rlk_pytester.makepyfile(**{"suites/op/test_tol": """
+import pytest
+
+@pytest.mark.parametrize("backend, err", [("rlk-triton", 0.0), ("liger", 1.9e-6)])
+def test_op(rlk_metrics, backend, err):
+    rlk_metrics.record("logp_max_abs_err", err, direction="lower_is_better", space="error",
+                       tags={"backend": backend, "op": "logp"}, gate=False,
+                       band={"abs_floor": 1e-4, "source": "kernels.tolerances logp bf16: atol 0.0001"})
+"""})
+    rlk_pytester.runpytest().assert_outcomes(passed=2)
+    run_dir = str(latest_run_dir(rlk_pytester))
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=liger"]) == 0
+    out = capsys.readouterr().out
+    assert "1 pass" in out
+    assert "band source: kernels.tolerances logp bf16: atol 0.0001" in out

@@ -1,0 +1,70 @@
+"""Why tests were skipped, by cause: what the rlk summary and the report count.
+
+Every skipped record has exactly one cause, so the causes add up to pytest's own skip total
+(a module skipped at collection, e.g. by ``pytest.importorskip``, counts once, as in pytest):
+
+- ``hardware/resources``: the test's markers ask for what this machine lacks (``unserved``:
+  a GPU, GPU memory, a checkpoint, a vime checkout), or its own skip names CUDA or a GPU;
+- ``missing package``: an optional package (an extra of pytest-rlk, a peer library) is not
+  installed: the reason says ``No module named``, ``not importable``, ``install ...``;
+- ``backend capability``: a backend declares the case unsupported (reasons starting
+  ``<backend>/<version>:``, or saying ``does not implement`` / ``not supported``);
+- ``other``: any other reason.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+
+from pytest_rlk.schema import TestRecord
+
+HARDWARE = "hardware/resources"
+MISSING_PACKAGE = "missing package"
+CAPABILITY = "backend capability"
+OTHER = "other"
+CAUSES = (HARDWARE, MISSING_PACKAGE, CAPABILITY, OTHER)
+
+_MISSING_PACKAGE = re.compile(r"No module named|not importable|could not import|\binstall\b")
+_HARDWARE = re.compile(r"\bCUDA\b|\bGPUs?\b|\bcuda\b")
+_CAPABILITY = re.compile(r"^[\w.-]+/[\w.+-]+: |does not implement|not supported|unsupported")
+
+
+def skip_cause(test: TestRecord) -> str:
+    if test.unserved:
+        return HARDWARE
+    reason = test.skip_reason or ""
+    if _MISSING_PACKAGE.search(reason):
+        return MISSING_PACKAGE
+    if _HARDWARE.search(reason):
+        return HARDWARE
+    if _CAPABILITY.search(reason):
+        return CAPABILITY
+    return OTHER
+
+
+def skips_by_cause(tests: Iterable[TestRecord]) -> dict[str, Counter[str]]:
+    """cause -> Counter of reasons, causes in :data:`CAUSES` order, only those that occurred."""
+    found: dict[str, Counter[str]] = {}
+    for t in tests:
+        if t.outcome == "skipped":
+            found.setdefault(skip_cause(t), Counter())[t.skip_reason or "(no reason given)"] += 1
+    return {cause: found[cause] for cause in CAUSES if cause in found}
+
+
+def skip_lines(tests: Iterable[TestRecord], *, reasons_per_cause: int = 5) -> list[str]:
+    """``skipped: N (cause n, ...)`` then the commonest reasons of each cause, with counts."""
+    causes = skips_by_cause(tests)
+    if not causes:
+        return []
+    total = sum(sum(c.values()) for c in causes.values())
+    lines = [f"skipped: {total} (" + ", ".join(f"{cause} {sum(c.values())}" for cause, c in causes.items()) + ")"]
+    for cause, reasons in causes.items():
+        common = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
+        lines += [f"  {cause}: {n} x {reason}" for reason, n in common[:reasons_per_cause]]
+        if len(common) > reasons_per_cause:
+            rest = common[reasons_per_cause:]
+            plural = "s" if len(rest) > 1 else ""
+            lines.append(f"  {cause}: {sum(n for _, n in rest)} more under {len(rest)} other reason{plural} "
+                         "(pytest -rs lists them)")
+    return lines

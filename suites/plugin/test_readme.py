@@ -1,0 +1,41 @@
+"""What the README tells a new user stays true: every `rlk` command it shows parses, and what tox
+writes into the checkout is ignored by git."""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pytest_rlk.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def _rlk_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.DOTALL)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
+            if line.startswith("rlk ")]
+
+
+def test_readme_shows_the_everyday_rlk_commands():
+    shown = {" ".join(shlex.split(c)[1:3]) for c in _rlk_commands()}
+    assert {"diff latest", "report latest", "e2e list", "e2e plan", "e2e run"} <= shown
+
+
+@pytest.mark.parametrize("command", _rlk_commands())
+def test_every_rlk_command_in_the_readme_parses(command):
+    args = build_parser().parse_args(shlex.split(command)[1:])  # argparse exits on a stale command
+    assert callable(args.func)
+
+
+@pytest.mark.parametrize("path", [".venv", ".venv-cpu/bin/python", ".tox/suite/bin/python", ".rlk/runs/latest"])
+def test_what_tox_and_runs_write_is_ignored(path):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "-q", path], check=False)
+    assert done.returncode == 0, f"{path} is not ignored by .gitignore"
