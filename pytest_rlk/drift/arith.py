@@ -12,11 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-
-SWITCHES = ("VIME_RL_KERNEL", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_BACKEND", "VIME_RL_KERNEL_OPS")
 
 
 class SideUnavailable(RuntimeError):
@@ -26,20 +25,12 @@ class SideUnavailable(RuntimeError):
 @contextlib.contextmanager
 def kernel_switches(on: bool, backend: str | None = None) -> Iterator[None]:
     """Kernels on (strict, all ops; ``backend`` if given, else the configured one) or off."""
-    saved = {k: os.environ.get(k) for k in SWITCHES}
-    try:
-        os.environ["VIME_RL_KERNEL"] = "1" if on else "0"
-        os.environ["VIME_RL_KERNEL_STRICT"] = "1" if on else "0"
+    switches = {"VIME_RL_KERNEL": "1" if on else "0", "VIME_RL_KERNEL_STRICT": "1" if on else "0"}
+    if backend is not None:
+        switches["VIME_RL_KERNEL_BACKEND"] = backend
+    with mock.patch.dict(os.environ, switches):  # the whole environment is restored on exit
         os.environ.pop("VIME_RL_KERNEL_OPS", None)
-        if backend is not None:
-            os.environ["VIME_RL_KERNEL_BACKEND"] = backend
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
