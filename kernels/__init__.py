@@ -4,7 +4,9 @@ Public API (kernels/api.py): ``logp``, ``ratio_kl``, ``grpo_loss``, ``linear_log
 inputs against the op's contract (kernels/contracts/) and run on the backend chosen by
 :mod:`kernels.dispatch` (the reference by default; ``VIME_RL_KERNEL=1`` turns on the Triton
 kernels). ``kernels.reference`` holds the fp32 references of vime's exact math;
-``kernels.settings`` every environment variable the project reads.
+``kernels.settings`` every environment variable the project reads. ``raise_pending_errors()``
+raises bad input that the kernels found on the device without a host sync (ids out of range,
+inconsistent packing; kernels/device_errors.py): call it where the training loop syncs anyway.
 
 Importing ``kernels`` is cheap: the API (and torch) load on first use of a name below, so the
 pytest plugin and ``rlk env`` can read ``kernels.settings`` without importing torch.
@@ -31,12 +33,15 @@ _PUBLIC = {
     "fallback_counts": "kernels.dispatch",
     "fallback_reasons": "kernels.dispatch",
     "reset_fallback_counts": "kernels.dispatch",
+    "raise_pending_errors": "kernels.device_errors",
+    "DeviceInputError": "kernels.device_errors",
 }
 
 if TYPE_CHECKING:
     from kernels import reference
     from kernels.api import grpo_loss, linear_logp, logp, ratio_kl
     from kernels.contracts import IGNORE_INDEX, LossConfig
+    from kernels.device_errors import DeviceInputError, raise_pending_errors
     from kernels.dispatch import (
         KernelFallbackError,
         backend_id,
@@ -70,6 +75,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "IGNORE_INDEX",
+    "DeviceInputError",
     "KernelFallbackError",
     "LossConfig",
     "backend_id",
@@ -78,6 +84,7 @@ __all__ = [
     "grpo_loss",
     "linear_logp",
     "logp",
+    "raise_pending_errors",
     "ratio_kl",
     "reference",
     "reset_fallback_counts",

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernels import backends, settings
+from kernels.contracts.checks import check_call_values
 
 logger = logging.getLogger("kernels")
 
@@ -80,27 +81,35 @@ def _record_fallback(op: str, reason: str) -> None:
 
 def select(op: str, **case: Any) -> tuple[backends.Backend, Callable[..., Any]]:
     """The backend and implementation serving ``op`` for this ``case`` (see backends/base.py)."""
-    reference = backends.get_backend(REFERENCE_BACKEND)
     if not _KERNELS() or not op_allowed(op):
+        reference = backends.get_backend(REFERENCE_BACKEND)
         return reference, reference.get(op)
     name = _BACKEND()
     try:
         backend = backends.get_backend(name)
     except (backends.BackendLoadError, ImportError) as exc:
         _record_fallback(op, f"backend {name!r} unavailable: {exc}")
+        reference = backends.get_backend(REFERENCE_BACKEND)
         return reference, reference.get(op)
     reason = backend.supports(op, **case)
     if reason is not None:
         _record_fallback(op, reason)
+        reference = backends.get_backend(REFERENCE_BACKEND)
         return reference, reference.get(op)
     return backend, backend.get(op)
 
 
 def run(op: str, call: Any) -> Any:
-    """Run ``op``'s checked ``call`` (kernels/contracts/) on the implementation that serves it."""
+    """Run ``op``'s checked ``call`` (kernels/contracts/) on the implementation that serves it.
+
+    The value checks the call left to the device (``call.deferred``) run on the host first unless
+    the backend's kernels check them (``backend.checks_values``, kernels/device_errors.py)."""
     if not _KERNELS():  # the default: the reference, without building the case
+        check_call_values(call)
         return backends.get_backend(REFERENCE_BACKEND).get(op)(call)
-    _, impl = select(op, **call.case())
+    backend, impl = select(op, **call.case())
+    if op not in getattr(backend, "checks_values", ()):
+        check_call_values(call)
     return impl(call)
 
 

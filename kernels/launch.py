@@ -155,10 +155,13 @@ def _kind(value: Any) -> str | None:
     return "none" if value is None else None
 
 
-def binder_source(params: list[tuple[str, bool]], kinds: tuple[str, ...]) -> str:
+def binder_source(params: list[tuple[str, bool]], kinds: tuple[str, ...],
+                  unspecialized: frozenset[str] = frozenset()) -> str:
     """Source of ``bind(*args, **kwargs) -> (key, launch arguments) | None`` for one pattern of
     argument types; ``params``: (name, is constexpr) in signature order, ``kinds``: the ``_kind``
-    of each runtime parameter. It returns None when an argument's type is not the pattern's.
+    of each runtime parameter, ``unspecialized``: the ints Triton does not specialize on
+    (``do_not_specialize``: keyed by their width alone). It returns None when an argument's type
+    is not the pattern's.
     Its own names start with ``_rlk_`` (kernel parameters may not).
 
     For ``k(x_ptr, n, BLOCK: tl.constexpr)`` and (tensor, int) the body is::
@@ -189,7 +192,9 @@ def binder_source(params: list[tuple[str, bool]], kinds: tuple[str, ...]) -> str
             checks.append(f"{name} is not None")
         else:
             checks.append(f"type({name}) is not {kind}")
-            if kind == "int":
+            if kind == "int" and name in unspecialized:
+                key += [f"_rlk_I32_MIN <= {name} <= _rlk_I32_MAX", f"{name} >= _rlk_U64_MIN"]
+            elif kind == "int":
                 key += [f"{name} == 1", f"{name} % 16 == 0", f"_rlk_I32_MIN <= {name} <= _rlk_I32_MAX",
                         f"{name} >= _rlk_U64_MIN"]
     signature = ", ".join(name for name, _ in params)
@@ -208,6 +213,7 @@ class CachedLaunch:
         self._binders: dict[tuple[str, ...], Callable[..., Any]] = {}
         self._bind: Callable[..., Any] = lambda *args, **kwargs: None
         self._params: list[tuple[str, bool]] = []
+        self._unspecialized: frozenset[str] = frozenset()
         self._defaults: dict[str, Any] = {}
         # keyed launches: (device, op key) -> direct launch, and -> the cache key it was stored for
         self._direct: dict[tuple, Callable[..., None]] = {}
@@ -222,6 +228,8 @@ class CachedLaunch:
         if self._compiled:
             try:
                 self._params = [(p.name, bool(p.is_constexpr)) for p in kernel.params]
+                # ints Triton does not specialize on (``do_not_specialize``): keyed by width only
+                self._unspecialized = frozenset(p.name for p in kernel.params if getattr(p, "do_not_specialize", False))
                 self._defaults = {p.name: p.default for p in kernel.params if p.has_default}
                 list(kernel.pre_run_hooks)
                 flags = [constexpr for _, constexpr in self._params]
@@ -243,7 +251,7 @@ class CachedLaunch:
             if kinds not in self._binders:
                 namespace = {"_rlk_Tensor": torch.Tensor, "_rlk_pattern": kinds, "_rlk_I32_MIN": I32_MIN,
                              "_rlk_I32_MAX": I32_MAX, "_rlk_U64_MIN": U64_MIN}
-                exec(binder_source(self._params, kinds), namespace)  # noqa: S102 (our own generated source)
+                exec(binder_source(self._params, kinds, self._unspecialized), namespace)  # noqa: S102 (our own source)
                 bind = namespace["bind"]
                 bind.__defaults__ = self._signature_defaults()
                 self._binders[kinds] = bind

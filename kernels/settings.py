@@ -41,6 +41,16 @@ def parse_flag(text: str) -> bool:
     raise ValueError(f"expected one of {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}")
 
 
+def parse_check_mode(text: str) -> str:
+    """``strict``, or a flag word: ``on`` / ``off``."""
+    if text.lower() == "strict":
+        return "strict"
+    try:
+        return "on" if parse_flag(text) else "off"
+    except ValueError:
+        raise ValueError(f"expected strict, {'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}") from None
+
+
 def parse_text(text: str) -> str:
     return text
 
@@ -96,7 +106,7 @@ def parse_tiles(text: str) -> TileConfig:
     return tiles
 
 
-_TYPE_NAMES = {parse_flag: "flag", parse_text: "text", parse_path: "path", parse_positive_int: "positive int",
+_TYPE_NAMES = {parse_flag: "flag", parse_check_mode: "on, strict or off", parse_text: "text", parse_path: "path", parse_positive_int: "positive int",
                parse_op_list: "op list", parse_tiles: "tiles"}
 
 
@@ -193,9 +203,11 @@ STRICT = _declare(Setting(
 
 # -- input checks (kernels/contracts/checks.py) ---------------------------------------------------
 CHECK_IDS = _declare(Setting(
-    "VIME_RL_KERNEL_CHECK_IDS", parse_flag, True,
-    "Check that target ids lie in the vocab and packed lengths sum to T. On a GPU each check reads "
-    "device data (a host sync); off only for host-overhead benchmarks.",
+    "VIME_RL_KERNEL_CHECK_IDS", parse_check_mode, "on",
+    "Check that target ids lie in the vocab and packed lengths are consistent. `on`: CPU inputs on the "
+    "host; on a GPU the kernels check and report through a per-device error word, raised at the next "
+    "call or by `kernels.raise_pending_errors()` (no host sync). `strict`: on the host before every "
+    "launch (one host sync per check). `off`: only the kernels' own report.",
     readers=("kernels/contracts/checks.py",)))
 CHECK_FINITE = _declare(Setting(
     "VIME_RL_KERNEL_CHECK_FINITE", parse_flag, False,

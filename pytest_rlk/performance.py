@@ -211,8 +211,8 @@ def tables_markdown(cases: list[PerfCase]) -> list[str]:
                    "the limit is the case's bytes moved at that bandwidth. "
                    "`vs <peer>` = peer ms / our ms (above 1: ours is faster). `ms` is the wall time "
                    "of a call (host time included where the host is the slower side); `GPU ms` is "
-                   "one CUDA-graph replay of the same call (the GPU's own time), which is what our "
-                   "baselines gate where it is recorded."), ""]
+                   "one CUDA-graph replay of the same call (the GPU's own time), recorded beside it; "
+                   "our baselines gate `ms` of the default call (`rlk`)."), ""]
     headers, rows = launch_bound_rows(cases)
     if rows:
         lines += ["Launch-bound shapes (host overhead target: < 20 us per call). Host overhead: the lowest "

@@ -17,6 +17,7 @@ from kernels import settings
 from kernels.backends.base import OPS, BaseBackend, Capabilities, import_function
 
 TRITON_BACKEND_VERSION = "0.1.0"
+_UNKNOWN = object()
 
 
 @functools.cache
@@ -40,6 +41,24 @@ class TritonBackend(BaseBackend):
     id = "rlk-triton"
     version = TRITON_BACKEND_VERSION
     capabilities = Capabilities(ops=frozenset(OPS))
+    # every op's kernels check the ids range and packed lengths on the device (kernels/device_errors.py)
+    checks_values = frozenset(OPS)
+
+    def __init__(self) -> None:
+        self._supported: dict[tuple, str | None] = {}
+
+    def supports(self, op: str, **case: Any) -> str | None:
+        """BaseBackend's rules, memoized: for this backend the answer depends only on the op, the
+        device type, the dtype and (on CPU) the interpreter's state (host time of every call)."""
+        device = case.get("device")
+        kind = getattr(device, "type", device)
+        key = (op, kind, case.get("dtype"))
+        if kind != "cuda":  # on CPU the interpreter's state decides too (check_case)
+            key += (_interpreter_active(), "kernels.ops" in sys.modules, settings.TRITON_INTERPRET.get())
+        found = self._supported.get(key, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._supported[key] = super().supports(op, **case)
+        return found
 
     def check_case(self, op: str, **case: Any) -> str | None:
         missing = _triton_missing()
@@ -55,7 +74,10 @@ class TritonBackend(BaseBackend):
     def get(self, op: str) -> Callable[..., Any]:
         if op not in self.capabilities.ops:
             raise KeyError(f"{self.id} does not implement {op!r}")
-        # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call
+        # kernels/ops/<op>.py defines ``<op>_call(call)``, a function of the op's checked call;
+        # linear_logp's kernels take their ids check from kernels/ops/value_checks.py
+        if op == "linear_logp":
+            return import_function("kernels.ops.value_checks", "linear_logp_call")
         return import_function(f"kernels.ops.{op}", f"{op}_call")
 
 

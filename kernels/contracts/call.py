@@ -16,19 +16,31 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as dist
 
+from kernels.contracts.checks import check_call_values
+
 P = ParamSpec("P")
 C = TypeVar("C")
 R = TypeVar("R")
 
 
 def entry_point(call_type: Callable[P, C], run: Callable[[C], R], *, name: str | None = None,
-                doc: str | None = None) -> Callable[P, R]:
+                doc: str | None = None, checks_values: bool = False) -> Callable[P, R]:
     """``f(*args, **kwargs) = run(call_type(*args, **kwargs))``, with the call type's signature
     (``help()``, ``inspect.signature``), ``run``'s name (or ``name``) and, as its docstring, ``doc``
-    or ``run``'s followed by the call type's (the contract). ``f.run`` is ``run``."""
+    or ``run``'s followed by the call type's (the contract). ``f.run`` is ``run``.
 
-    def entry(*args: P.args, **kwargs: P.kwargs) -> R:
-        return run(call_type(*args, **kwargs))
+    ``checks_values``: ``run``'s kernels check the values a call leaves to the device (ids range,
+    lengths; kernels/device_errors.py). Otherwise those checks run on the host before ``run``
+    (checks.check_call_values; a host sync for device tensors)."""
+
+    if checks_values:
+        def entry(*args: P.args, **kwargs: P.kwargs) -> R:
+            return run(call_type(*args, **kwargs))
+    else:
+        def entry(*args: P.args, **kwargs: P.kwargs) -> R:
+            call = call_type(*args, **kwargs)
+            check_call_values(call)
+            return run(call)
 
     entry.__name__ = entry.__qualname__ = name or run.__name__
     entry.__module__ = run.__module__

@@ -8,9 +8,16 @@ Policies (stated once, here):
 
 * **Ignore index.** A target id equal to ``ignore_index`` (default ``-100``, the value vime and
   Hugging Face use) is allowed: that row's log-prob is ``0`` and its gradient is ``0``. Any other
-  id outside ``[0, V)`` is an error naming ``target_ids``. The range check reads the ids (one
-  device sync), as do the checks of device-resident ``lengths`` / ``cu_seqlens`` (non-negative,
-  summing to T); ``VIME_RL_KERNEL_CHECK_IDS=0`` skips these for host-overhead benchmarks only.
+  id outside ``[0, V)`` is an error naming ``target_ids``; so are packed ``lengths`` /
+  ``cu_seqlens`` that are negative or do not add up to T.
+* **Where those value checks run.** They read tensor values. CPU tensors: here, before the launch
+  (free). Device tensors, by default (``VIME_RL_KERNEL_CHECK_IDS=on``): by the op's kernels, which
+  make a bad row NaN and report it through the device's error word (kernels/device_errors.py); the
+  error names the input and the call and is raised at the next op call that finds the report, at
+  the latest by ``kernels.raise_pending_errors()``, and no call waits for the GPU. A backend whose
+  kernels do not check (the reference, peers' adapters) gets the host check before it runs
+  (:func:`check_call_values`, one host sync). ``strict``: the host check always, before the launch.
+  ``off``: no host check of device tensors (the kernels still report).
 * **Empty inputs.** ``T == 0`` or ``V == 0`` is an error (``"... is empty"``): there is no
   meaningful log-prob or loss of nothing, and vime never produces one.
 * **All-zero masks.** Allowed. A sample whose mask is all zero contributes exactly ``0`` to
@@ -28,7 +35,7 @@ import math
 
 import torch
 
-from kernels import settings
+from kernels import device_errors, settings
 
 IGNORE_INDEX = -100
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,13 +52,22 @@ def _compiling() -> bool:
 
 
 def ids_check_enabled() -> bool:
-    return _CHECK_IDS() and not _compiling()
+    """Whether device tensors' values are checked at all (``VIME_RL_KERNEL_CHECK_IDS`` not ``off``)."""
+    return _CHECK_IDS() != "off" and not _compiling()
 
 
-def _reads_device_data(x: torch.Tensor) -> bool:
-    """Whether to run a check that reads ``x``'s values: always for CPU tensors (free); for device
-    tensors (a host sync) unless ``VIME_RL_KERNEL_CHECK_IDS=0``."""
-    return x.device.type == "cpu" or ids_check_enabled()
+def defer_value_check(x: torch.Tensor) -> bool | None:
+    """How to check the values of ``x`` (ids, lengths): False: now, on the host (CPU tensors, or
+    ``strict``); True: on the device by the kernels (the default for device tensors); None: not at
+    all (``off``, or under torch.compile)."""
+    if _compiling():
+        return None
+    if x.device.type == "cpu":
+        return False
+    mode = _CHECK_IDS()
+    if mode == "strict":
+        return False
+    return True if mode == "on" else None
 
 
 def finite_check_enabled() -> bool:
@@ -106,8 +122,11 @@ def check_target_ids(
     device: torch.device,
     ignore_index: int = IGNORE_INDEX,
     name: str = "target_ids",
-) -> None:
-    """ids: [T] int64|int32 on ``device``, each in [0, vocab_size) or equal to ignore_index."""
+) -> bool:
+    """ids: [T] int64|int32 on ``device``, each in [0, vocab_size) or equal to ignore_index.
+
+    Shapes, dtype and device are checked now; the values now (returns False) or by the kernels
+    (returns True: the caller's call must be checked on the device or by :func:`check_call_values`)."""
     check_tensor(ids, name)
     if ids.dtype not in ID_DTYPES:
         raise ValueError(f"{name} dtype must be int64 or int32, got {ids.dtype}")
@@ -115,14 +134,25 @@ def check_target_ids(
         raise ValueError(f"{name} must have shape [{num_tokens}] (one id per logits row), got {tuple(ids.shape)}")
     if ids.device != device:
         raise ValueError(f"{name} is on {ids.device} but logits are on {device}")
-    if ids_check_enabled() and num_tokens > 0:
-        bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore_index)
-        if bool(bad.any()):
-            first = int(ids[bad][0])
-            raise ValueError(
-                f"{name} has {int(bad.sum())} id(s) outside [0, {vocab_size}) (first: {first}); "
-                f"only ignore_index={ignore_index} may lie outside"
-            )
+    defer = defer_value_check(ids)
+    if defer:
+        device_errors.raise_if_reported(device)  # an earlier call's report, if its kernel has written one
+        return True
+    if defer is False:
+        check_ids_values(ids, vocab_size, ignore_index, name)
+    return False
+
+
+def check_ids_values(ids: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX,
+                     name: str = "target_ids") -> None:
+    """Every id in [0, vocab_size) or ignore_index (reads the ids: a host sync for device tensors)."""
+    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore_index)
+    if bool(bad.any()):
+        first = int(ids[bad][0])
+        raise ValueError(
+            f"{name} has {int(bad.sum())} id(s) outside [0, {vocab_size}) (first: {first}); "
+            f"only ignore_index={ignore_index} may lie outside"
+        )
 
 
 def check_token_vector(
@@ -163,30 +193,55 @@ def check_lengths(
     lengths: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     num_tokens: int,
-) -> None:
-    """Packed samples: ``lengths`` [B] (>= 0, summing to T) or ``cu_seqlens`` [B+1] (0, ..., T)."""
+) -> bool:
+    """Packed samples: ``lengths`` [B] (>= 0, summing to T) or ``cu_seqlens`` [B+1] (0, ..., T).
+
+    Shapes and dtypes now; the values now (returns False) or by the kernels (returns True), as
+    :func:`check_target_ids`."""
     if lengths is not None and cu_seqlens is not None:
         raise ValueError("pass lengths or cu_seqlens, not both")
-    if _compiling():
-        return
     if lengths is not None:
         check_tensor(lengths, "lengths")
         if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
             raise ValueError(f"lengths must be a 1-D integer tensor [B], got {lengths.dtype} {tuple(lengths.shape)}")
-        if _reads_device_data(lengths):
-            # one host read for both checks
-            negatives, total = torch.stack([(lengths < 0).sum(), lengths.sum()]).tolist()
-            if negatives:
-                raise ValueError("lengths has negative entries")
-            if total != num_tokens:
-                raise ValueError(f"lengths sum to {total} but there are {num_tokens} tokens")
+        if lengths.shape[0] == 0:
+            raise ValueError("lengths is empty (B == 0): pass at least one sample, or neither lengths nor cu_seqlens")
+        defer = defer_value_check(lengths)
+        if defer is False:
+            check_lengths_values(lengths, None, num_tokens)
+        return bool(defer)
     if cu_seqlens is not None:
         check_tensor(cu_seqlens, "cu_seqlens")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [B+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        if not _reads_device_data(cu_seqlens):
-            return
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T={num_tokens}, got {cu_seqlens[0]}..{cu_seqlens[-1]}")
-        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        defer = defer_value_check(cu_seqlens)
+        if defer is False:
+            check_lengths_values(None, cu_seqlens, num_tokens)
+        return bool(defer)
+    return False
+
+
+def check_lengths_values(lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None, num_tokens: int) -> None:
+    """The values of ``lengths`` or ``cu_seqlens`` (reads them: a host sync for device tensors)."""
+    if lengths is not None:
+        # one host read for both checks
+        negatives, total = torch.stack([(lengths < 0).sum(), lengths.sum()]).tolist()
+        if negatives:
+            raise ValueError("lengths has negative entries")
+        if total != num_tokens:
+            raise ValueError(f"lengths sum to {total} but there are {num_tokens} tokens")
+    if cu_seqlens is not None:
+        first, last, decreasing = torch.stack(
+            [cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] < cu_seqlens[:-1]).any().to(cu_seqlens.dtype)]).tolist()
+        if first != 0 or last != num_tokens:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={num_tokens}, got {first}..{last}")
+        if decreasing:
             raise ValueError("cu_seqlens must be non-decreasing")
+
+
+def check_call_values(call: object) -> None:
+    """Run the value checks a call deferred to the device (``call.deferred``), now, on the host:
+    for a backend whose kernels do not check them. A call that deferred nothing costs one attribute read."""
+    if getattr(call, "deferred", 0):
+        call.check_values()  # type: ignore[attr-defined]
+        call.deferred = 0  # type: ignore[attr-defined]  # an int: a bool is another Triton signature

@@ -8,11 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels import device_errors
 from kernels.contracts.call import tensor_case, tp_world
 from kernels.contracts.checks import (
     IGNORE_INDEX,
+    check_ids_values,
     check_kl_type,
     check_lengths,
+    check_lengths_values,
     check_logits,
     check_mask,
     check_target_ids,
@@ -86,9 +89,9 @@ class LossInputs:
     config: LossConfig = LossConfig()
     rollout_logp: torch.Tensor | None = None
 
-    def check(self, num_tokens: int, device: torch.device) -> None:
-        """Shapes, devices and dtypes of the per-token inputs, then the packing (one host read
-        of device-resident lengths, see checks.check_lengths)."""
+    def check(self, num_tokens: int, device: torch.device) -> bool:
+        """Shapes, devices and dtypes of the per-token inputs, then the packing; returns whether the
+        packing's values are left to the device (checks.check_lengths)."""
         check_token_vector(self.old_logp, "old_logp", num_tokens, device)
         check_token_vector(self.advantages, "advantages", num_tokens, device)
         check_mask(self.loss_mask, "loss_mask", num_tokens, device)
@@ -101,7 +104,11 @@ class LossInputs:
             if self.rollout_logp is None:
                 raise ValueError("rollout_logp is required when LossConfig.use_tis is True")
             check_token_vector(self.rollout_logp, "rollout_logp", num_tokens, device)
-        check_lengths(self.lengths, self.cu_seqlens, num_tokens)
+        return check_lengths(self.lengths, self.cu_seqlens, num_tokens)
+
+    def check_lengths_values(self, num_tokens: int) -> None:
+        """The packing's values on the host (a host sync for device tensors)."""
+        check_lengths_values(self.lengths, self.cu_seqlens, num_tokens)
 
     def sample_lengths(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """The packed samples' [B] int64 lengths on ``device`` (see :func:`sample_lengths`)."""
@@ -115,15 +122,27 @@ class LossInputs:
         return 1
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device`` without a host sync: a CPU tensor goes to a CUDA device through pinned
+    memory, asynchronously (a copy from pageable memory would wait for the device)."""
+    if x.device == device:
+        return x
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 def sample_lengths(num_tokens: int, device: torch.device, lengths: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """[B] int64 lengths on ``device`` from ``lengths`` [B] or ``cu_seqlens`` [B + 1] (checked by
     checks.check_lengths); neither: one sample of all ``num_tokens``."""
     if lengths is not None:
-        return lengths.to(device=device, dtype=torch.int64)
+        return to_device(lengths, device).to(torch.int64)
     if cu_seqlens is not None:
-        return (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.int64)
-    return torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        cu_seqlens = to_device(cu_seqlens, device)
+        return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    # a fill on the device: torch.tensor([T], device=...) would copy from pageable memory (a host sync)
+    return torch.full((1,), num_tokens, dtype=torch.int64, device=device)
 
 
 @dataclass(slots=True, eq=False)
@@ -140,6 +159,8 @@ class GrpoLossCall(LossInputs):
     (old_logp ... rollout_logp: :class:`LossInputs`, keyword-only.)
     temperature       a finite float > 0.
     tp_group          the process group the vocab is split over, or None.
+    deferred          (set by the checks) the call id (kernels/device_errors.py) under which the
+                      kernels check the ids and lengths on the device, or 0: checked already.
     inplace_backward  let the backward write dlogits into the logits' storage (no [T, V] allocation;
                       the logits are destroyed, a second backward raises). Implementations that never
                       write their inputs ignore it.
@@ -156,19 +177,29 @@ class GrpoLossCall(LossInputs):
     ignore_index: int = IGNORE_INDEX
     num_tokens: int = field(init=False, repr=False)
     tp_world: int = field(init=False, repr=False)
+    vocab: int = field(init=False, repr=False)  # this rank's columns
+    deferred: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         num_tokens, vocab = check_logits(self.logits)
         temperature = check_temperature(self.temperature)
         world = tp_world(self.tp_group)
         device = self.logits.device
-        check_target_ids(self.target_ids, num_tokens, vocab * world, device, self.ignore_index)
-        self.check(num_tokens, device)
+        ids_deferred = check_target_ids(self.target_ids, num_tokens, vocab * world, device, self.ignore_index)
+        lengths_deferred = self.check(num_tokens, device)
+        self.deferred = device_errors.begin_call("grpo_loss", num_tokens, vocab) if (
+            ids_deferred or lengths_deferred) else 0
+        self.vocab = vocab
         self.temperature = temperature
         self.ignore_index = int(self.ignore_index)
         self.inplace_backward = bool(self.inplace_backward)
         self.num_tokens = num_tokens
         self.tp_world = world
+
+    def check_values(self) -> None:
+        """The value checks left to the device, on the host (checks.check_call_values)."""
+        check_ids_values(self.target_ids, self.vocab * self.tp_world, self.ignore_index)
+        self.check_lengths_values(self.num_tokens)
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.logits), "temperature": self.temperature, "tp_world": self.tp_world,
@@ -176,4 +207,4 @@ class GrpoLossCall(LossInputs):
                 "num_samples": self.num_samples()}
 
 
-__all__ = ["METRIC_NAMES", "REDUCTIONS", "GrpoLossCall", "LossConfig", "LossInputs"]
+__all__ = ["METRIC_NAMES", "REDUCTIONS", "GrpoLossCall", "LossConfig", "LossInputs", "sample_lengths", "to_device"]

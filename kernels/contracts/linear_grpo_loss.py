@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kernels.contracts.call import tensor_case
+from kernels.contracts.checks import check_ids_values
 from kernels.contracts.grpo_loss import LossInputs
 from kernels.contracts.linear_logp import check_linear_logp_inputs
 
@@ -32,9 +33,13 @@ class LinearGrpoLossCall(LossInputs):
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        check_linear_logp_inputs(self.hidden, self.weight, self.target_ids, self.bias, self.temperature,
-                                 None, 0, None)
-        self.check(self.hidden.shape[0], self.hidden.device)
+        # no kernel of ours serves this op: values left to the device are checked here, on the host
+        vocab, ids_deferred = check_linear_logp_inputs(self.hidden, self.weight, self.target_ids, self.bias,
+                                                       self.temperature, None, 0, None)
+        if ids_deferred:
+            check_ids_values(self.target_ids, vocab)
+        if self.check(self.hidden.shape[0], self.hidden.device):
+            self.check_lengths_values(self.hidden.shape[0])
         self.temperature = float(self.temperature)
 
     def case(self) -> dict[str, Any]:

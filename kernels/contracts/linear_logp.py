@@ -8,8 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels import device_errors
 from kernels.contracts.call import tensor_case, tp_world
-from kernels.contracts.checks import check_target_ids, check_temperature, check_tensor
+from kernels.contracts.checks import (
+    check_ids_values,
+    check_target_ids,
+    check_temperature,
+    check_tensor,
+)
 
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -47,15 +53,22 @@ class LinearLogpCall:
     global_vocab: int | None = None  # resolved to an int by the checks
     workspace_bytes: int | None = None
     tp_world: int = field(init=False, repr=False)
+    deferred: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        global_vocab = check_linear_logp_inputs(self.hidden, self.weight, self.target_ids, self.bias,
-                                                self.temperature, self.tp_group, self.vocab_start, self.global_vocab)
+        global_vocab, deferred = check_linear_logp_inputs(
+            self.hidden, self.weight, self.target_ids, self.bias, self.temperature, self.tp_group, self.vocab_start,
+            self.global_vocab)
         if self.workspace_bytes is not None:
             check_workspace_bytes(self.workspace_bytes)
         self.temperature = float(self.temperature)
         self.global_vocab = global_vocab
         self.tp_world = tp_world(self.tp_group)
+        self.deferred = device_errors.begin_call("linear_logp", self.hidden.shape[0], global_vocab) if deferred else 0
+
+    def check_values(self) -> None:
+        """The ids' range on the host (checks.check_call_values)."""
+        check_ids_values(self.target_ids, self.global_vocab)
 
     def case(self) -> dict[str, Any]:
         return {**tensor_case(self.hidden), "temperature": self.temperature, "tp_world": self.tp_world}
@@ -70,8 +83,9 @@ def check_linear_logp_inputs(
     tp_group: object | None,
     vocab_start: int,
     global_vocab: int | None,
-) -> int:
-    """Checks every input (errors name it); returns the global vocab size."""
+) -> tuple[int, bool]:
+    """Checks every input (errors name it); returns the global vocab size and whether the ids'
+    range is left to the device (checks.check_target_ids)."""
     check_tensor(hidden, "hidden")
     check_tensor(weight, "weight")
     if hidden.dim() != 2:
@@ -113,8 +127,8 @@ def check_linear_logp_inputs(
             f"without tp_group the weight must hold the whole vocab: vocab_start must be 0 and global_vocab "
             f"{v_local}, got vocab_start={vocab_start}, global_vocab={global_vocab}"
         )
-    check_target_ids(target_ids, hidden.shape[0], global_vocab, hidden.device)
-    return global_vocab
+    deferred = check_target_ids(target_ids, hidden.shape[0], global_vocab, hidden.device)
+    return global_vocab, deferred
 
 
 def check_workspace_bytes(workspace_bytes: object) -> int:

@@ -147,6 +147,7 @@ def uninstall() -> None:
         return
     setattr(_trl_utils(), PATCH_NAME, _original)
     _original = None
+    kernels.raise_pending_errors()  # training is over: bad ids the kernels found raise here at the latest
 
 
 @contextlib.contextmanager

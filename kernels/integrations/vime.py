@@ -445,6 +445,7 @@ def policy_loss(args: Any, batch: dict, logits: torch.Tensor,
         loss, metrics = _reduce(config, packed, logp, old_logp, entropy, kl, batch, logits, sum_of_sample_mean)
 
     fell_back = sum(kernels.fallback_counts().values()) > fallbacks_before
+    kernels.raise_pending_errors(loss.device)  # the timer just synced: bad ids/lengths the kernels found raise here
     return loss, _telemetry(metrics, fell_back=fell_back, backend=kernels.backend_id(), stages_ms=timer.results_ms(),
                             weight=call_weight(args, batch), device=loss.device)
 

@@ -51,7 +51,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import device_errors
 from kernels.contracts import METRIC_NAMES, GrpoLossCall, entry_point
+from kernels.contracts.grpo_loss import to_device
+from kernels.launch import CachedLaunch
 from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
 from kernels.ops.logp import (
     LogpFunction,
@@ -61,8 +64,15 @@ from kernels.ops.logp import (
     vocab_block,
 )
 from kernels.ops.ratio_kl import kl_type_code, kl_value_and_grad
+from kernels.ops.value_checks import (
+    INPUT_CU_SEQLENS,
+    INPUT_LENGTHS,
+    INPUT_LENGTHS_SUM,
+    INPUT_TARGET_IDS,
+    bad_target,
+    report_bad_value,
+)
 from kernels.reference.grpo_loss import reduce_grpo_loss
-from kernels.reference.reductions import token_weights
 
 logger = logging.getLogger("kernels")
 _two_read_reasons_logged: set[str] = set()
@@ -101,11 +111,11 @@ def token_pg_and_grad(
     return pg, clipped, dpg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call_id"])
 def _grpo_loss_kernel(
-    logits_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, per_token_ptr,
+    logits_ptr, ids_ptr, old_ptr, ref_ptr, adv_ptr, rollout_ptr, per_token_ptr, err_ptr,
     stride_row, num_tokens, vocab, ignore_index, temperature,
-    eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef,
+    eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, call_id,
     BLOCK_V: tl.constexpr, SCALE: tl.constexpr, HAS_REF: tl.constexpr,
     KL_TYPE: tl.constexpr, UNBIASED: tl.constexpr, DUAL_CLIP: tl.constexpr, TIS: tl.constexpr,
 ):
@@ -116,6 +126,11 @@ def _grpo_loss_kernel(
     m, s = row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V, SCALE)
     _, z_t = row_target(row_ptr, target_id, 0, vocab, temperature, SCALE)
     logp = tl.where(ignored, 0.0, (z_t - m) - tl.log(s))
+    # an id outside the vocab: NaN log-prob (so NaN loss and dlogits) and a report in the error word
+    bad = bad_target(target_id, ignore_index, vocab)
+    if bad:
+        report_bad_value(err_ptr, call_id, INPUT_TARGET_IDS, row, target_id, vocab)
+    logp = tl.where(bad, float("nan"), logp)
 
     old = tl.load(old_ptr + row).to(tl.float32)
     adv = tl.load(adv_ptr + row).to(tl.float32)
@@ -132,6 +147,10 @@ def _grpo_loss_kernel(
         kl, dkl = kl_value_and_grad(logp, ref, old, KL_TYPE, UNBIASED)
     # d(pg + kl_coef kl)/dlogp; times the token's reduction weight it is c = dL/dlogp
     coef = tl.where(ignored, 0.0, dpg + kl_coef * dkl)
+    # a bad row's terms are NaN (the clamps above would drop a NaN log-prob)
+    pg = tl.where(bad, float("nan"), pg)
+    kl = tl.where(bad, float("nan"), kl)
+    coef = tl.where(bad, float("nan"), coef)
     # rows of a [7, T] buffer: pg, clip flag, ppo_kl, kl (weighted sums give the metrics), then what
     # the backward needs to write dlogits: the unweighted coefficient, row max, sum-exp
     tl.store(per_token_ptr + row, pg)
@@ -143,26 +162,60 @@ def _grpo_loss_kernel(
     tl.store(per_token_ptr + 6 * num_tokens + row, s)
 
 
-@triton.jit
-def _sample_mean_weights_kernel(mask_ptr, lengths_ptr, weights_ptr, BLOCK: tl.constexpr):
-    """``sum_of_sample_mean`` weights of sample ``b`` = this program: w_t = m_t / max(sum m, 1) over
-    the sample's tokens, which start after the lengths of the samples before it."""
+@triton.jit(do_not_specialize=["call_id"])
+def _token_weights_kernel(mask_ptr, offsets_ptr, weights_ptr, err_ptr, num_tokens, num_samples, call_id,
+                          OFFSETS: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
+    """The reduction weights of sample ``b`` = this program's tokens, and the packing's check.
+
+    ``sum_of_sample_mean``: w_t = m_t / max(sum m, 1) over the sample's tokens; ``PER_TOKEN``
+    (per-token sum): w_t = m_t. ``OFFSETS``: 0 one sample of all T tokens (one program), 1
+    ``offsets`` are the [B] lengths (a sample starts after the lengths before it), 2 they are the
+    [B + 1] cu_seqlens. Lengths that are negative or do not add up to T (cu_seqlens that fall, or
+    do not run from 0 to T) are reported in the error word under ``call_id`` and make the
+    sample's weights NaN; reads stay within [0, T)."""
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    start = b.to(tl.int64) * 0
-    for i in range(0, b, BLOCK):
-        before = i + offs
-        start += tl.sum(tl.load(lengths_ptr + before, mask=before < b, other=0).to(tl.int64), 0)
-    end = start + tl.load(lengths_ptr + b).to(tl.int64)
+    bad = b < 0  # a scalar False
+    if OFFSETS == 0:
+        start = b.to(tl.int64) * 0
+        end = start + num_tokens
+    elif OFFSETS == 1:
+        start = b.to(tl.int64) * 0
+        for i in range(0, b, BLOCK):
+            before = i + offs
+            start += tl.sum(tl.load(offsets_ptr + before, mask=before < b, other=0).to(tl.int64), 0)
+        length = tl.load(offsets_ptr + b).to(tl.int64)
+        end = start + length
+        if length < 0:
+            report_bad_value(err_ptr, call_id, INPUT_LENGTHS, b, length, num_tokens)
+            bad = b >= 0
+        elif (b == num_samples - 1) & (end != num_tokens):
+            report_bad_value(err_ptr, call_id, INPUT_LENGTHS_SUM, b, end, num_tokens)
+            bad = b >= 0
+    else:
+        start = tl.load(offsets_ptr + b).to(tl.int64)
+        end = tl.load(offsets_ptr + b + 1).to(tl.int64)
+        if end < start:
+            report_bad_value(err_ptr, call_id, INPUT_CU_SEQLENS, b + 1, end, num_tokens)
+            bad = b >= 0
+        elif (b == 0) & (start != 0):
+            report_bad_value(err_ptr, call_id, INPUT_CU_SEQLENS, b, start, num_tokens)
+            bad = b >= 0
+        elif (b == num_samples - 1) & (end != num_tokens):
+            report_bad_value(err_ptr, call_id, INPUT_CU_SEQLENS, b + 1, end, num_tokens)
+            bad = b >= 0
+    start = tl.minimum(tl.maximum(start, 0), num_tokens)
+    end = tl.minimum(tl.maximum(end, start), num_tokens)
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for t in range(start, end, BLOCK):
-        cols = t + offs
-        total += tl.load(mask_ptr + cols, mask=cols < end, other=0).to(tl.float32)
-    count = tl.maximum(tl.sum(total, 0), 1.0)
+    if not PER_TOKEN:
+        for t in range(start, end, BLOCK):
+            cols = t + offs
+            total += tl.load(mask_ptr + cols, mask=cols < end, other=0).to(tl.float32)
+    scale = tl.where(bad, float("nan"), 1.0 if PER_TOKEN else tl.maximum(tl.sum(total, 0), 1.0))
     for t in range(start, end, BLOCK):
         cols = t + offs
         m = tl.load(mask_ptr + cols, mask=cols < end, other=0).to(tl.float32)
-        tl.store(weights_ptr + cols, tl.math.div_rn(m, count), mask=cols < end)
+        tl.store(weights_ptr + cols, tl.math.div_rn(m, scale), mask=cols < end)
 
 
 @triton.jit
@@ -237,6 +290,10 @@ REDUCE_BLOCK = 1024
 # _weighted_sums_kernel is one program: 4096 tokens per step over 16 warps keep enough loads in
 # flight that a large T takes one or two steps (docs/performance-notes.md)
 SUMS_BLOCK, SUMS_WARPS = 4096, 16
+_GRPO_LOSS = CachedLaunch(_grpo_loss_kernel)
+_TOKEN_WEIGHTS = CachedLaunch(_token_weights_kernel)
+_WEIGHTED_SUMS = CachedLaunch(_weighted_sums_kernel)
+_GRPO_DLOGITS = CachedLaunch(_grpo_dlogits_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,13 +302,22 @@ def _one_wave(device: torch.device, num_warps: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * max(1, 64 // num_warps)
 
 
-def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor, reduction: str) -> torch.Tensor:
-    """kernels.reference.reductions.token_weights in one launch (``sum_of_sample_mean``; the
-    per-token sum's weights are the mask itself): the op's small kernels add up at this size."""
-    if reduction != "sum_of_sample_mean":
-        return token_weights(loss_mask, lengths, reduction)
-    weights = torch.empty(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
-    _sample_mean_weights_kernel[(lengths.shape[0],)](loss_mask, lengths, weights, BLOCK=REDUCE_BLOCK)
+def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                        reduction: str, call_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.reference.reductions.token_weights in one launch (one program per sample), the
+    packing checked on the device (a report under ``call_id``, kernels/device_errors.py);
+    written into ``out`` (fp32 [T]) if given."""
+    num_tokens = loss_mask.shape[0]
+    weights = torch.empty(num_tokens, dtype=torch.float32, device=loss_mask.device) if out is None else out
+    word = device_errors.word_for(loss_mask.device)
+    if lengths is not None:
+        offsets, kind, samples = to_device(lengths, loss_mask.device), 1, lengths.shape[0]
+    elif cu_seqlens is not None:
+        offsets, kind, samples = to_device(cu_seqlens, loss_mask.device), 2, cu_seqlens.shape[0] - 1
+    else:
+        offsets, kind, samples = loss_mask, 0, 1  # no offsets read
+    _TOKEN_WEIGHTS.launch((samples,), loss_mask, offsets, weights, word.tensor, num_tokens, samples, call_id,
+                          OFFSETS=kind, PER_TOKEN=reduction != "sum_of_sample_mean", BLOCK=REDUCE_BLOCK)
     return weights
 
 
@@ -270,12 +336,19 @@ class GrpoLossFunction(torch.autograd.Function):
     dlogits; backward: the dlogits kernel (or, one-read, a rewrite only when grad_output != 1)."""
 
     @staticmethod
-    def forward(ctx, logits, ids, old_logp, ref_logp, advantages, rollout_logp, loss_mask, lengths, config,
-                temperature, ignore_index, inplace):  # type: ignore[override]
+    def forward(ctx, logits, call):  # type: ignore[override]
+        # the call (kernels/contracts/grpo_loss.py) rides along as one argument: autograd looks at
+        # each argument of apply, and only the logits are differentiated (host time of every call)
+        ids, config, temperature, ignore_index = call.target_ids, call.config, call.temperature, call.ignore_index
+        old_logp, ref_logp, advantages, rollout_logp = (
+            f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp))
+        loss_mask, lengths, cu_seqlens = call.loss_mask, call.lengths, call.cu_seqlens
+        inplace, call_id = call.inplace_backward, call.deferred
         num_tokens, vocab = logits.shape
-        per_token = torch.empty((7, num_tokens), dtype=torch.float32, device=logits.device)
+        # rows 0-6: the kernels' per-token terms (see _grpo_loss_kernel); row 7: the reduction weights
+        per_token = torch.empty((8, num_tokens), dtype=torch.float32, device=logits.device)
         has_ref = ref_logp is not None
-        weights = fused_token_weights(loss_mask, lengths, config.reduction)
+        weights = fused_token_weights(loss_mask, lengths, cu_seqlens, config.reduction, call_id, out=per_token[7])
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
         if isinstance(plan, one_read_kernel.OneReadPlan):
             # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
@@ -283,17 +356,17 @@ class GrpoLossFunction(torch.autograd.Function):
             one_read_kernel.launch(
                 plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
                 ref_logp, advantages, rollout_logp, weights, per_token, config, float(temperature),
-                ignore_index, kl_type_code(config.kl_type),
+                ignore_index, kl_type_code(config.kl_type), device_errors.word_for(logits.device).ptr, call_id,
             )
         else:
             unit_grad = None
             block, warps = vocab_block(vocab, logits.dtype, read_only=True)
-            _grpo_loss_kernel[(num_tokens,)](
-                logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
-                rollout_logp if config.use_tis else old_logp, per_token,
+            _GRPO_LOSS.launch(
+                (num_tokens,), logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
+                rollout_logp if config.use_tis else old_logp, per_token, device_errors.word_for(logits.device).tensor,
                 logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
-                config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
-                config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef,
+                float(config.eps_clip), float(config.eps_clip_high), float(config.eps_clip_c or 0.0),
+                float(config.tis_clip_low), float(config.tis_clip_high), float(config.kl_loss_coef), call_id,
                 BLOCK_V=block, SCALE=temperature != 1.0, HAS_REF=has_ref,
                 KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
                 DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
@@ -301,12 +374,12 @@ class GrpoLossFunction(torch.autograd.Function):
         # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss, and the loss, in one launch
         metrics = torch.empty(4, dtype=torch.float32, device=logits.device)
         loss = torch.empty((), dtype=torch.float32, device=logits.device)
-        _weighted_sums_kernel[(1,)](
-            per_token, weights, metrics, loss, num_tokens, config.kl_loss_coef,
+        _WEIGHTED_SUMS.launch(
+            (1,), per_token, weights, metrics, loss, num_tokens, float(config.kl_loss_coef),
             HAS_KL=config.kl_loss_coef != 0.0, BLOCK=SUMS_BLOCK, num_warps=SUMS_WARPS,
         )
         ctx.unit_grad = unit_grad
-        ctx.row_stats = per_token[4:]
+        ctx.row_stats = per_token[4:7]
         ctx.weights = weights
         ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
         ctx.backward_done = False
@@ -333,30 +406,33 @@ class GrpoLossFunction(torch.autograd.Function):
         num_tokens, vocab = logits.shape
         block, warps = vocab_block(vocab, logits.dtype)
         programs = num_tokens if unit_grad is None else min(num_tokens, _one_wave(logits.device, warps))
-        _grpo_dlogits_kernel[(programs,)](
-            logits, grad, ids, ctx.weights, coef, grad_loss.reshape(1), row_max, sumexp,
+        _GRPO_DLOGITS.launch(
+            (programs,), logits, grad, ids, ctx.weights, coef, grad_loss.reshape(1), row_max, sumexp,
             logits.stride(0), grad.stride(0), vocab, ctx.ignore_index, float(ctx.temperature), num_tokens,
             BLOCK_V=block, SCALE=ctx.temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
         )
-        return grad, None, None, None, None, None, None, None, None, None, None, None
+        return grad, None
 
 
 def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """vime's GRPO loss on the fused paths above (composed for GSPO and vocab-parallel TP)."""
     logits, num_tokens = call.logits, call.num_tokens
-    lens = call.sample_lengths(num_tokens, logits.device)
     if call.config.gspo or call.tp_group is not None:
-        logp = LogpFunction.apply(logits, call.target_ids, call.temperature, call.ignore_index, call.tp_group)
-        return reduce_grpo_loss(logp, call, lens)
-
-    def f32(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(torch.float32).contiguous()
-
-    loss, metrics = GrpoLossFunction.apply(
-        logits, call.target_ids, f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp),
-        call.loss_mask, lens, call.config, call.temperature, call.ignore_index, call.inplace_backward,
-    )
+        if call.deferred and (call.lengths is not None or call.cu_seqlens is not None):
+            # the packing's check on the device (the weights themselves are not used here)
+            fused_token_weights(call.loss_mask, call.lengths, call.cu_seqlens, call.config.reduction, call.deferred)
+        logp = LogpFunction.apply(logits, call.target_ids, call.temperature, call.ignore_index, call.tp_group,
+                                  call.deferred)
+        return reduce_grpo_loss(logp, call, call.sample_lengths(num_tokens, logits.device))
+    loss, metrics = GrpoLossFunction.apply(logits, call)
     return loss, dict(zip(METRIC_NAMES, metrics.unbind(0), strict=False))
 
 
-grpo_loss = entry_point(GrpoLossCall, grpo_loss_call, name="grpo_loss")
+def f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` as fp32 contiguous (itself when it is already)."""
+    if x is None or (x.dtype == torch.float32 and x.is_contiguous()):
+        return x
+    return x.to(torch.float32).contiguous()
+
+
+grpo_loss = entry_point(GrpoLossCall, grpo_loss_call, name="grpo_loss", checks_values=True)

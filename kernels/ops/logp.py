@@ -38,8 +38,10 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels import device_errors
 from kernels.contracts import LogpCall, entry_point
 from kernels.launch import CachedLaunch
+from kernels.ops.value_checks import INPUT_TARGET_IDS, bad_target, report_bad_value
 
 
 def vocab_block(vocab: int, dtype: torch.dtype, *, read_only: bool = False) -> tuple[int, int]:
@@ -113,10 +115,10 @@ def row_write_grad(
         tl.store(grad_row_ptr + cols, d.to(grad_row_ptr.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["call_id"])
 def _logp_fwd_kernel(
-    logits_ptr, ids_ptr, out_ptr, max_ptr, sumexp_ptr,
-    stride_row, vocab, vocab_start, ignore_index, temperature,
+    logits_ptr, ids_ptr, out_ptr, max_ptr, sumexp_ptr, err_ptr,
+    stride_row, vocab, vocab_start, id_bound, ignore_index, temperature, call_id,
     BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PARTIAL: tl.constexpr, STATS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -125,14 +127,19 @@ def _logp_fwd_kernel(
     m, s = row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V, SCALE)
     owned, z_t = row_target(row_ptr, target_id, vocab_start, vocab, temperature, SCALE)
     ignored = target_id == ignore_index
+    # an id outside the (global) vocab: the row's log-prob is NaN and the error word gets a report
+    bad = bad_target(target_id, ignore_index, id_bound)
+    if bad:
+        report_bad_value(err_ptr, call_id, INPUT_TARGET_IDS, row, target_id, id_bound)
     if STATS:
         tl.store(max_ptr + row, m)
         tl.store(sumexp_ptr + row, s)
     if PARTIAL:
         # vocab-parallel: local statistics; the target partial is z_t on the owning shard only
-        tl.store(out_ptr + row, tl.where(owned & (~ignored), z_t, 0.0))
+        out = tl.where(owned & (~ignored), z_t, 0.0)
     else:
-        tl.store(out_ptr + row, tl.where(ignored, 0.0, (z_t - m) - tl.log(s)))
+        out = tl.where(ignored, 0.0, (z_t - m) - tl.log(s))
+    tl.store(out_ptr + row, tl.where(bad, float("nan"), out))
 
 
 @triton.jit
@@ -156,12 +163,14 @@ _FWD = CachedLaunch(_logp_fwd_kernel)
 _BWD = CachedLaunch(_logp_bwd_kernel)
 
 
-def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, stats=True):
+def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, stats=True, call_id=0, id_bound=None):
     """(logp or its TP partial, row max, sum-exp), fp32 [T] each. ``stats=False`` (nothing to
     differentiate): one [T] allocation, passed for the unused statistics pointers too (``STATS=False``
     compiles their stores out); the three returned tensors are then the same one.
 
     ``temperature`` (float) and ``ignore_index`` / ``vocab_start`` (int) must be Python numbers.
+    Ids outside ``[0, id_bound)`` (default V) other than ignore_index give NaN and a report under
+    ``call_id`` in the device's error word (kernels/device_errors.py; 0: a call checked on the host).
     The launch key holds everything Triton specializes this kernel on: the inputs' dtypes,
     16-byte alignment, device and type; the outputs are fresh fp32 allocations (aligned; the
     statistics rows of the [3, T] buffer when T % 4 == 0); the ints by value; the constexprs
@@ -172,22 +181,28 @@ def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, st
         out, row_max, row_sumexp = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device).unbind()
     else:
         out = row_max = row_sumexp = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+    if id_bound is None:
+        id_bound = vocab
+    word = device_errors.word_for(logits.device)
     logits_ptr, ids_ptr, out_ptr = logits.data_ptr(), ids.data_ptr(), out.data_ptr()
     stride = logits.stride(0)
+    # call_id is not specialized on (do_not_specialize): it stays out of the key; the error word's
+    # pointer is fixed per device (the key's device)
     key = (type(logits), type(ids), logits.get_device(), logits.dtype, ids.dtype, logits_ptr % 16 == 0,
-           ids_ptr % 16 == 0, stats and num_tokens % 4 == 0, vocab, stride, vocab_start, ignore_index,
+           ids_ptr % 16 == 0, stats and num_tokens % 4 == 0, vocab, stride, vocab_start, id_bound, ignore_index,
            temperature != 1.0, partial, stats)
     direct = _FWD.direct(key)
     if direct is not None:
         # the statistics rows of the [3, T] buffer, or (no statistics) the one [T] output again
         row_max_ptr, sumexp_ptr = (out_ptr + 4 * num_tokens, out_ptr + 8 * num_tokens) if stats else (out_ptr, out_ptr)
-        direct(num_tokens, logits_ptr, ids_ptr, out_ptr, row_max_ptr, sumexp_ptr, stride, vocab, vocab_start,
-               ignore_index, temperature)
+        direct(num_tokens, logits_ptr, ids_ptr, out_ptr, row_max_ptr, sumexp_ptr, word.ptr, stride, vocab,
+               vocab_start, id_bound, ignore_index, temperature, call_id)
         return out, row_max, row_sumexp
     block, warps = _forward_block(vocab, logits.dtype)
     _FWD.launch_keyed(
-        key, (num_tokens,), logits, ids, out, row_max, row_sumexp, stride, vocab, vocab_start, ignore_index,
-        temperature, BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial, STATS=stats, num_warps=warps,
+        key, (num_tokens,), logits, ids, out, row_max, row_sumexp, word.tensor, stride, vocab, vocab_start,
+        id_bound, ignore_index, temperature, call_id, BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial,
+        STATS=stats, num_warps=warps,
     )
     return out, row_max, row_sumexp
 
@@ -210,15 +225,19 @@ def launch_logp_backward(
 
 def logp_forward_stats(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, ignore_index: int,
-    tp_group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None, call_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(logp, row max, sum-exp, vocab_start) without autograd; the max and sum-exp (fp32 [T]) are
-    global over the TP group and are what the backward needs."""
+    global over the TP group and are what the backward needs. Bad ids: NaN rows and a report under
+    ``call_id`` (kernels/device_errors.py)."""
     if tp_group is None:
-        logp, row_max, sumexp = _launch_fwd(logits, ids, temperature, ignore_index, 0, partial=False)
+        logp, row_max, sumexp = _launch_fwd(logits, ids, temperature, ignore_index, 0, partial=False,
+                                            call_id=call_id)
         return logp, row_max, sumexp, 0
     vocab_start = dist.get_rank(tp_group) * logits.shape[1]
-    target, local_max, local_sumexp = _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial=True)
+    target, local_max, local_sumexp = _launch_fwd(
+        logits, ids, temperature, ignore_index, vocab_start, partial=True, call_id=call_id,
+        id_bound=logits.shape[1] * dist.get_world_size(tp_group))
     global_max = local_max.clone()
     dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
     sumexp = local_sumexp * torch.exp(local_max - global_max)
@@ -232,8 +251,9 @@ class LogpFunction(torch.autograd.Function):
     """Autograd wrapper: forward kernel (+ all-reduces under TP), backward kernel."""
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature, ignore_index, tp_group):  # type: ignore[override]
-        logp, row_max, sumexp, vocab_start = logp_forward_stats(logits, ids, temperature, ignore_index, tp_group)
+    def forward(ctx, logits, ids, temperature, ignore_index, tp_group, call_id=0):  # type: ignore[override]
+        logp, row_max, sumexp, vocab_start = logp_forward_stats(logits, ids, temperature, ignore_index, tp_group,
+                                                                call_id)
         ctx.save_for_backward(logits, ids, row_max, sumexp)
         ctx.temperature, ctx.ignore_index, ctx.vocab_start = temperature, ignore_index, vocab_start
         return logp
@@ -246,7 +266,7 @@ class LogpFunction(torch.autograd.Function):
             logits, grad_logits, ids, grad_logp.contiguous(), row_max, sumexp, ctx.temperature, ctx.ignore_index,
             ctx.vocab_start,
         )
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def logp_call(call: LogpCall) -> torch.Tensor:
@@ -255,9 +275,10 @@ def logp_call(call: LogpCall) -> torch.Tensor:
     if not (logits.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip autograd.Function's bookkeeping (host time of small calls)
         if call.tp_group is None:
-            return _launch_fwd(logits, target_ids, temperature, ignore_index, 0, False, stats=False)[0]
-        return logp_forward_stats(logits, target_ids, temperature, ignore_index, call.tp_group)[0]
-    return LogpFunction.apply(logits, target_ids, temperature, ignore_index, call.tp_group)
+            return _launch_fwd(logits, target_ids, temperature, ignore_index, 0, False, stats=False,
+                               call_id=call.deferred)[0]
+        return logp_forward_stats(logits, target_ids, temperature, ignore_index, call.tp_group, call.deferred)[0]
+    return LogpFunction.apply(logits, target_ids, temperature, ignore_index, call.tp_group, call.deferred)
 
 
-logp = entry_point(LogpCall, logp_call, name="logp")
+logp = entry_point(LogpCall, logp_call, name="logp", checks_values=True)

@@ -30,7 +30,8 @@ def grpo_loss_from_logp(logp: torch.Tensor, inputs: LossInputs) -> tuple[torch.T
     Returns ``(loss 0-dim fp32, {pg_loss, pg_clipfrac, ppo_kl, kl_loss: detached 0-dim fp32})``.
     With ``ref_logp=None`` (only allowed when ``kl_loss_coef == 0``) ``kl_loss`` is 0."""
     num_tokens = logp.shape[0]
-    inputs.check(num_tokens, logp.device)
+    if inputs.check(num_tokens, logp.device):  # the reference checks values on the host
+        inputs.check_lengths_values(num_tokens)
     return reduce_grpo_loss(logp, inputs, inputs.sample_lengths(num_tokens, logp.device))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.contracts import REDUCTIONS
-from kernels.contracts.checks import check_lengths
+from kernels.contracts.checks import check_lengths, check_lengths_values
 from kernels.contracts.grpo_loss import sample_lengths
 
 
@@ -35,7 +35,8 @@ def resolve_lengths(
     num_tokens: int, device: torch.device, lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The [B] int64 lengths from either form; neither given means one sample of all T tokens."""
-    check_lengths(lengths, cu_seqlens, num_tokens)
+    if check_lengths(lengths, cu_seqlens, num_tokens):  # the reference checks values on the host
+        check_lengths_values(lengths, cu_seqlens, num_tokens)
     return sample_lengths(num_tokens, device, lengths, cu_seqlens)
 
 

@@ -5,31 +5,37 @@ reduction, KL term on. Peers in the same run: torch.compile of the reference (vi
 where importable, Liger's ``triton_grpo_loss`` (loss_type "grpo"; its math differs from vime's,
 the work is the same: recorded for the roofline table, never gated). Extra memory: ours is the
 dlogits tensor; with ``inplace_backward`` none. ``rlk`` is the default path (the one-read cluster
-kernel where it applies), ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place backward
-(a two-read path).
+kernel where it applies), timed as a plain call with default settings (the ids and lengths checked
+by the kernels, no host sync): its wall time gates, its CUDA-graph replay is recorded beside it.
+Labelled variants, never gated: ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place
+backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rlk_bench import OURS, dtype_bytes, liger_available, measure, record_limit
+from rlk_bench import (
+    OURS,
+    dtype_bytes,
+    liger_available,
+    measure,
+    record_host_overhead,
+    record_limit,
+)
+from rlk_compiled import measure_compiled
 
-from kernels import LossConfig
-from kernels.ops.grpo_loss import grpo_loss
+import kernels
+from kernels import LossConfig, grpo_loss
 from kernels.reference import grpo_loss as reference_grpo_loss
 
-pytestmark = [pytest.mark.bench, pytest.mark.gpu]
+# the public API as a user calls it: VIME_RL_KERNEL=1, every other setting at its default
+pytestmark = [pytest.mark.bench, pytest.mark.gpu, pytest.mark.usefixtures("user_default")]
 
 SHAPES = [(8192, 151936), (4096, 32000)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SEQ = 256
 CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type="low_var_kl")
-
-
-@pytest.fixture(autouse=True)
-def _no_ids_sync(monkeypatch):
-    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "0")
 
 
 def _inputs(num_tokens, vocab, dtype):
@@ -42,7 +48,7 @@ def _inputs(num_tokens, vocab, dtype):
         "ref_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
         "advantages": torch.randn(num_tokens, device="cuda", generator=gen),
         "loss_mask": torch.rand(num_tokens, device="cuda", generator=gen) > 0.1,
-        "lengths": torch.full((num_tokens // SEQ,), SEQ, device="cuda"),
+        "lengths": torch.full((max(1, num_tokens // SEQ),), min(SEQ, num_tokens), device="cuda"),
     }
     return logits, ids, kw
 
@@ -65,8 +71,12 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
     ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
     # the two-read Triton path in the same run (what serves GPUs without clusters or nvcc)
     monkeypatch.setenv("RLK_GRPO_ONE_READ", "0")
-    measure(rlk_metrics, f"{OURS}_two_read", ours, bytes_moved, tags, graph=True)
+    measure(rlk_metrics, f"{OURS}_two_read", ours, bytes_moved, tags, memory=False)
     monkeypatch.delenv("RLK_GRPO_ONE_READ")
+    # the host-side checks (two host syncs per call): what the default path no longer pays
+    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "strict")
+    measure(rlk_metrics, f"{OURS}_strict", ours, bytes_moved, tags, memory=False)
+    monkeypatch.delenv("VIME_RL_KERNEL_CHECK_IDS")
 
     work = logits.detach().clone().requires_grad_()
 
@@ -76,7 +86,13 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
         loss, _ = grpo_loss(x, ids, config=CONFIG, inplace_backward=True, **kw)
         return torch.autograd.grad(loss, x)
 
-    measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags, graph=True)
+    measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags)
+
+    def compiled_ours(f):
+        loss, _ = f(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, bytes_moved, tags)
 
     compiled = torch.compile(reference_grpo_loss)
 
@@ -107,3 +123,19 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
         liger_ms = measure(rlk_metrics, "liger", liger, bytes_moved, tags)
         rlk_metrics.record("speedup_vs_liger", liger_ms / ours_ms, direction="higher_is_better", space="ratio",
                            tags=tags, gate=False)
+
+
+@pytest.mark.parametrize("num_tokens", [64, 256])
+def test_bench_grpo_loss_small_launch_bound(rlk_metrics, num_tokens):
+    """Launch-bound shapes: host time per fwd+bwd call (goal < 60 us, every check on the device)
+    and the wall time of the plain call (gated)."""
+    logits, ids, kw = _inputs(num_tokens, 151936, torch.bfloat16)
+    logits.requires_grad_()
+    tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
+
+    def ours():
+        loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    measure(rlk_metrics, OURS, ours, 2 * num_tokens * 151936 * 2, tags, memory=False, graph=True)
+    record_host_overhead(rlk_metrics, ours, tags)

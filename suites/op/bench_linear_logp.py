@@ -35,7 +35,9 @@ from collections.abc import Callable
 import pytest
 import torch
 from rlk_bench import measure, record_limit
+from rlk_compiled import COMPILED, measure_compiled
 
+import kernels
 from kernels import tolerances
 from kernels.ops.linear_logp import BWD_MATMUL_ENV, DEFAULT_WORKSPACE_BYTES, linear_logp
 from kernels.reference.linear_logp import fp32_logits
@@ -265,6 +267,15 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
         rlk_metrics.record(f"{name}_interleaved_ms", measured[name], unit="ms", direction="lower_is_better",
                            space="time", gate=False,
                            tags={**tags, "impl": name, "rounds_ms": " ".join(f"{t:.3f}" for t in times)})
+
+    def compiled_ours(f):
+        if pass_name == "fwd":
+            with torch.no_grad():
+                return f(hidden, weight, ids)
+        return torch.autograd.grad(f(hidden, weight, ids), (hidden, weight), upstream)
+
+    monkeypatch.delenv(BWD_MATMUL_ENV, raising=False)
+    measured[COMPILED] = measure_compiled(rlk_metrics, kernels.linear_logp, compiled_ours, bytes_moved, tags)
     summary = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in measured.items())
     missing = sorted(set(PEERS) - set(impls))
     print(f"\nlinear_logp {pass_name} {_case(logits)} on {torch.cuda.get_device_name()} (median of {ROUNDS} "

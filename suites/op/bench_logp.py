@@ -8,26 +8,28 @@ Small shapes are launch-bound and reported separately with the host overhead per
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from rlk_bench import OURS, dtype_bytes, liger_available, record_host_overhead, measure, record_limit
+from rlk_bench import (
+    OURS,
+    dtype_bytes,
+    liger_available,
+    measure,
+    record_host_overhead,
+    record_limit,
+)
+from rlk_compiled import measure_compiled
 
-from kernels.ops.logp import logp
+import kernels
+from kernels import logp
 from kernels.reference import selected_logprob
 
-pytestmark = [pytest.mark.bench, pytest.mark.gpu]
+# the public API as a user calls it: VIME_RL_KERNEL=1, every other setting at its default
+pytestmark = [pytest.mark.bench, pytest.mark.gpu, pytest.mark.usefixtures("user_default")]
 
 SHAPES = [(8192, 151936), (4096, 32000)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LIGER_SEQ = 256  # liger wants [B, L+1, V]: T = B * L
-
-
-@pytest.fixture(autouse=True)
-def _no_ids_sync(monkeypatch):
-    # the ids range check syncs the host; benchmarks time the kernels (validated by the op tests)
-    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "0")
 
 
 def _inputs(num_tokens, vocab, dtype):
@@ -50,6 +52,7 @@ def test_bench_logp_forward(rlk_metrics, dtype_name, shape):
         ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, graph=True)
         compiled = torch.compile(selected_logprob)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logits, ids), bytes_moved, tags)
+        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags)
         if liger_available() and num_tokens % LIGER_SEQ == 0:
             from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
@@ -84,16 +87,18 @@ def test_bench_logp_forward_backward(rlk_metrics, dtype_name, shape):
 
     measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
     measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
+    measure_compiled(rlk_metrics, kernels.logp, lambda f: torch.autograd.grad(f(logits, ids), logits, grad),
+                     bytes_moved, tags)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64])
 def test_bench_logp_small_launch_bound(rlk_metrics, num_tokens):
-    """Launch-bound shapes: the host overhead per call (target < 20 us) and the device time; a
-    CUDA-graph replay gates (the wall time of a call this small is the host's, run 37)."""
+    """Launch-bound shapes: the host overhead per call (target < 20 us, the ids checked on the device)
+    and the wall time, gated as everywhere (a call this small is host time)."""
     logits, ids = _inputs(num_tokens, 151936, torch.bfloat16)
     tags = {"op": "logp", "pass": "fwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
     bytes_moved = num_tokens * 151936 * 2
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, memory=False, graph=True)
-        record_host_overhead(rlk_metrics, lambda: logp(logits, ids),
-                             {**tags, "ids_check": os.environ.get("VIME_RL_KERNEL_CHECK_IDS", "1")})
+        record_host_overhead(rlk_metrics, lambda: logp(logits, ids), tags)
+        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags, memory=False)

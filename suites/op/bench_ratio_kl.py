@@ -9,12 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from rlk_bench import OURS, measure, record_host_overhead, record_limit
+from rlk_compiled import COMPILED, measure_compiled
 
+import kernels
+from kernels import ratio_kl
 from kernels.ops import ratio_kl as ratio_kl_op
-from kernels.ops.ratio_kl import ratio_kl
 from kernels.reference import ratio_kl as reference_ratio_kl
 
-pytestmark = [pytest.mark.bench, pytest.mark.gpu]
+# the public API as a user calls it: VIME_RL_KERNEL=1, every other setting at its default
+pytestmark = [pytest.mark.bench, pytest.mark.gpu, pytest.mark.usefixtures("user_default")]
 
 NUM_TOKENS = 1 << 24  # large enough to be bandwidth-bound
 
@@ -35,6 +38,8 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
         compiled = torch.compile(reference_ratio_kl)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
                 {**tags, "pass": "fwd"})
+        measure_compiled(rlk_metrics, kernels.ratio_kl, lambda f: f(logp, old, ref, mask, kl_type=kl_type),
+                         fwd_bytes, {**tags, "pass": "fwd"})
     leaf = logp.clone().requires_grad_()
     g = torch.ones(NUM_TOKENS, device="cuda")
 
@@ -45,14 +50,21 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
     fwd_bwd_bytes = fwd_bytes + 7 * 4 * NUM_TOKENS
     record_limit(rlk_metrics, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"}, name="hbm_limit_fwd_bwd_ms")
     result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
-                        graph=True)
+                        graph=True, gate=True)
+
+    def compiled_fwd_bwd(f):
+        ratio, kl = f(leaf, old, ref, mask, kl_type=kl_type)
+        return torch.autograd.grad([ratio, kl], leaf, [g, g])
+
+    measure_compiled(rlk_metrics, kernels.ratio_kl, compiled_fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
+                     impl=f"{COMPILED}_fwd_bwd")
     assert result_ms > 0
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64])
 def test_bench_ratio_kl_small_launch_bound(rlk_metrics, num_tokens):
-    """Launch-bound shapes: the host overhead per call (target < 20 us) and the device time; a
-    CUDA-graph replay gates (the wall time of a call this small is the host's, run 37)."""
+    """Launch-bound shapes: the host overhead per call (target < 20 us) and the wall time of the
+    plain call (gated as everywhere; a call this small is host time)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     logp = -torch.rand(num_tokens, device="cuda", generator=gen) * 5
     old, ref = logp + 0.1, logp - 0.1

@@ -24,6 +24,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_device_report_left_over():
+    """A report an earlier test's kernel left in an error word (kernels/device_errors.py) is
+    cleared first: each test sees only its own calls' reports."""
+    from kernels import device_errors
+
+    for word in list(device_errors._words.values()):
+        if word.device.type == "cuda":
+            torch.cuda.synchronize(word.device)
+        word.take()
+
+
 @pytest.fixture
 def triton_strict(monkeypatch):
     """Kernels on, rlk-triton backend, strict: a parity test can never compare reference to reference."""
@@ -37,6 +49,18 @@ def triton_strict(monkeypatch):
     yield
     assert kernels.fallback_counts() == {}, "a parity test fell back to the reference"
     kernels.reset_fallback_counts()
+
+
+@pytest.fixture
+def user_default(monkeypatch):
+    """What a user of the kernels runs: ``VIME_RL_KERNEL=1`` and nothing else (every other kernel
+    setting at its default). The benchmarks time the public API this way."""
+    from kernels import settings
+
+    for setting in settings.SETTINGS.values():
+        if setting.group == "kernels" and setting.name != "VIME_RL_KERNEL":
+            monkeypatch.delenv(setting.name, raising=False)
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
 
 
 @pytest.fixture

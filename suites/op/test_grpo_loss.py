@@ -295,12 +295,14 @@ def test_fused_token_weights_match_the_reference(triton_strict, mask_kind):
     if mask_kind == "float":
         mask = mask.float() * torch.rand(num_tokens, generator=gen)
     mask = mask.to(DEVICE)
-    got = fused_token_weights(mask, lengths, "sum_of_sample_mean")
+    got = fused_token_weights(mask, lengths, None, "sum_of_sample_mean", 0)
     want = token_weights(mask, lengths, "sum_of_sample_mean")
     assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
     if mask_kind == "bool":
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
-    per_token = fused_token_weights(mask, lengths, "per_token_sum")
+    per_token = fused_token_weights(mask, lengths, None, "per_token_sum", 0)
     assert torch.equal(per_token, mask.float())
+    cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    assert torch.equal(fused_token_weights(mask, None, cu_seqlens, "sum_of_sample_mean", 0), got)

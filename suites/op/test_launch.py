@@ -19,7 +19,7 @@ import triton.language as tl
 from rlk_op_cases import DEVICE, make_ids, make_logits
 from triton.runtime.jit import JITFunction
 
-from kernels import launch
+from kernels import device_errors, launch
 from kernels.contracts import checks
 from kernels.launch import CachedLaunch
 from kernels.ops import logp as logp_op
@@ -513,7 +513,8 @@ LOGP_ERRORS = {
 
 @pytest.mark.parametrize("case", LOGP_ERRORS)
 @pytest.mark.parametrize("grad", [False, True])
-def test_logp_op_rejects_bad_input(case, grad):
+def test_logp_op_rejects_bad_input(case, grad, monkeypatch):
+    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "strict")  # the ids' range at the call (on a GPU too)
     make, exc, message = LOGP_ERRORS[case]
     logits, ids = make()
     with torch.set_grad_enabled(grad), pytest.raises(exc, match=message):
@@ -587,7 +588,8 @@ def test_ratio_kl_reads_bool_and_float_masks_alike():
 
 def _fwd_args(logits, ids, out):
     block, warps = logp_op.vocab_block(logits.shape[1], logits.dtype, read_only=True)
-    args = (logits, ids, out, out, out, logits.stride(0), logits.shape[1], 0, -100, 1.0)
+    word = device_errors.word_for(logits.device).tensor
+    args = (logits, ids, out, out, out, word, logits.stride(0), logits.shape[1], 0, logits.shape[1], -100, 1.0, 0)
     return args, {"BLOCK_V": block, "SCALE": False, "PARTIAL": False, "STATS": False, "num_warps": warps}
 
 

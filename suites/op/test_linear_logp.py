@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import kernels
 from kernels import tolerances
-from kernels.ops import INTERPRETED
+from kernels.ops import INTERPRETED, value_checks
 from kernels.ops import linear_logp as op_module
 from kernels.ops.linear_logp import linear_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
@@ -288,7 +288,8 @@ def test_dispatch_serves_linear_logp_from_the_triton_backend(triton_strict):
     hidden, weight, bias = leaves
     backend, impl = kernels.dispatch.select("linear_logp", device=hidden.device, dtype=hidden.dtype,
                                             shape=tuple(hidden.shape), temperature=1.0, tp_world=1)
-    assert backend.id == "rlk-triton" and impl is linear_logp.run
+    # the ops' linear_logp behind the device-side ids check (kernels/ops/value_checks.py)
+    assert backend.id == "rlk-triton" and impl is value_checks.linear_logp_call
     got = kernels.linear_logp(hidden, weight, ids, bias)
     want = reference_linear_logp(hidden, weight, ids, bias)
     tolerances.assert_close(got, want, "linear_logp", torch.float32, name="kernels.linear_logp")

@@ -51,7 +51,9 @@ LOGP_ERRORS = {
 
 
 @pytest.mark.parametrize("case", LOGP_ERRORS)
-def test_logp_bad_input(any_backend, case):
+def test_logp_bad_input(any_backend, case, monkeypatch):
+    # the values at the call on every device (the kernels' own report: test_device_errors.py)
+    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "strict")
     make, exc, message = LOGP_ERRORS[case]
     logits, ids = make()
     with pytest.raises(exc, match=message):
@@ -119,7 +121,8 @@ GRPO_ERRORS = {
 
 
 @pytest.mark.parametrize("case", GRPO_ERRORS)
-def test_grpo_loss_bad_input(any_backend, case):
+def test_grpo_loss_bad_input(any_backend, case, monkeypatch):
+    monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "strict")  # as test_logp_bad_input
     mutate, message = GRPO_ERRORS[case]
     inputs = loss_inputs(12, V, torch.float32, lengths=[5, 7])
     mutate(inputs)

@@ -24,6 +24,7 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <climits>
 #include <stdint.h>
 
 namespace cg = cooperative_groups;
@@ -280,7 +281,7 @@ __device__ __forceinline__ void grpo_one_read(
     const float* __restrict__ rollout_logp, const float* __restrict__ weights, float* __restrict__ per_token,
     int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index,
     float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high, float kl_coef,
-    int flags) {
+    int flags, int64_t* __restrict__ error_word, int64_t call_id) {
     constexpr int VEC = Vec<T>::N;
     constexpr int WARPS = RLK_THREADS / 32;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -314,6 +315,16 @@ __device__ __forceinline__ void grpo_one_read(
     const int64_t target = ids[row];
     const bool ignored = target == ignore_index;
     const bool owned = target >= 0 && target < vocab;
+    // an id outside the vocab (not ignore_index): NaN terms and dlogits for the row, and a report in
+    // the error word (pinned host memory; kernels/device_errors.py states the layout)
+    const bool bad = !ignored && !owned;
+    if (bad && tid == 0 && rank == 0) {
+        const int64_t v = target < INT_MIN ? INT_MIN : (target > INT_MAX ? INT_MAX : target);
+        error_word[1] = static_cast<int64_t>(row) * 4294967296LL + (v & 4294967295LL);
+        error_word[2] = vocab;
+        __threadfence_system();
+        error_word[0] = call_id * 16 + 1;
+    }
     // thread 0 forms the loss: its scalar inputs (the target logit, the token's log-probs, advantage
     // and weight) are loaded now, while the slice is in flight, not after the cluster barrier where
     // a global round trip would hold up the whole CTA
@@ -380,12 +391,15 @@ __device__ __forceinline__ void grpo_one_read(
         }
         if (tid == 0) {
             if (scale) z_t = __fdiv_rn(z_t, temperature);
-            const float logp = ignored ? 0.0f : (z_t - rm) - logf(rs);
+            const float logp = bad ? __int_as_float(0x7fc00000) : (ignored ? 0.0f : (z_t - rm) - logf(rs));
             float pg, clipped, dpg;
             token_pg_and_grad(logp, old, a, rollout, eps_low, eps_high, eps_c, tis_low, tis_high, flags, pg, clipped, dpg);
             float kl = 0.0f, dkl = 0.0f;
             if (flags & FLAG_HAS_REF) kl_value_and_grad(logp, ref, old, flags, kl, dkl);
-            const float coef = ignored ? 0.0f : dpg + kl_coef * dkl;
+            float coef = ignored ? 0.0f : dpg + kl_coef * dkl;
+            if (bad) {  // a bad row's terms are NaN (the clamps would drop a NaN log-prob)
+                pg = kl = coef = __int_as_float(0x7fc00000);
+            }
             if (rank == 0) {
                 per_token[row] = pg;
                 per_token[num_tokens + row] = clipped;
@@ -437,10 +451,11 @@ __device__ __forceinline__ void grpo_one_read(
         const float* adv, const float* rollout_logp, const float* weights, float* per_token,              \
         int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index, \
         float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high,     \
-        float kl_coef, int flags) {                                                                       \
+        float kl_coef, int flags, int64_t* error_word, int64_t call_id) {                              \
         grpo_one_read<T, C>(logits, grad, ids, old_logp, ref_logp, adv, rollout_logp, weights, per_token, \
                             stride_row, stride_grad, num_tokens, vocab, slice, ignore_index, temperature, \
-                            eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, flags);                 \
+                            eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, flags, error_word,      \
+                            call_id);                                                                     \
     }
 
 #define RLK_DEFINE_DTYPE(SUFFIX, T)                 \

@@ -42,6 +42,7 @@ SIGNATURE = (
     "i64", "i64", "i32", "i32", "i32", "i64",  # stride_row stride_grad T V slice ignore_index
     "f32", "f32", "f32", "f32", "f32", "f32", "f32",  # temperature eps_low eps_high eps_c tis_low tis_high kl_coef
     "i32",  # flags
+    "ptr", "i64",  # the error word (pinned host memory), the call id (kernels/device_errors.py)
 )
 
 
@@ -81,23 +82,32 @@ def enabled() -> bool:
 
 
 def plan(logits: torch.Tensor) -> OneReadPlan | str:
-    """How to run the one-read kernel on ``logits`` [T, V], or why it cannot run (a sentence)."""
+    """How to run the one-read kernel on ``logits`` [T, V], or why it cannot run (a sentence).
+    Decided once per (device, dtype, V, strides, alignment): host time of every call."""
     if not enabled():
         return "RLK_GRPO_ONE_READ=0"
-    if logits.device.type != "cuda":
-        return f"logits on {logits.device.type}, not CUDA"
-    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    device = logits.device
+    if device.type != "cuda":
+        return f"logits on {device.type}, not CUDA"
+    return _plan(device.index, logits.dtype, logits.shape[1], logits.stride(0), logits.stride(1),
+                 logits.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(index: int | None, dtype: torch.dtype, vocab: int, row_stride: int, col_stride: int,
+          aligned: bool) -> OneReadPlan | str:
+    if index is None:
+        index = torch.cuda.current_device()
     if _capability(index) < (9, 0):
         return "thread-block clusters need compute capability 9.0 or newer"
-    suffix = _SUFFIX.get(logits.dtype)
+    suffix = _SUFFIX.get(dtype)
     if suffix is None:
-        return f"dtype {logits.dtype}"
-    itemsize = logits.element_size()
-    vocab = logits.shape[1]
-    if logits.stride(1) != 1:
+        return f"dtype {dtype}"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if col_stride != 1:
         return "logits rows are not contiguous"
-    if logits.data_ptr() % 16 or (logits.stride(0) * itemsize) % 16 or (vocab * itemsize) % 16:
-        return f"rows not 16-byte aligned (V={vocab}, row stride {logits.stride(0)}, {itemsize}-byte elements)"
+    if not aligned or (row_stride * itemsize) % 16 or (vocab * itemsize) % 16:
+        return f"rows not 16-byte aligned (V={vocab}, row stride {row_stride}, {itemsize}-byte elements)"
     shape = cut(vocab, itemsize)
     if shape is None:
         return f"a row of {vocab * itemsize} bytes exceeds {max(CLUSTER_SIZES)} x {MAX_SLICE_BYTES} bytes of shared memory"
@@ -126,10 +136,13 @@ def launch(
     the_plan: OneReadPlan, logits: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, old_logp: torch.Tensor,
     ref_logp: torch.Tensor | None, advantages: torch.Tensor, rollout_logp: torch.Tensor | None,
     weights: torch.Tensor, per_token: torch.Tensor, config, temperature: float, ignore_index: int, kl_code: int,
+    error_word: int, call_id: int,
 ) -> None:
     """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1.
 
-    ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits."""
+    ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits.
+    A row whose id is outside [0, V) and not ignore_index gets NaN terms and dlogits, and a report
+    under ``call_id`` at ``error_word`` (its address; kernels/device_errors.py)."""
     num_tokens, vocab = logits.shape
     defines = (() if THREADS == 512 else (f"RLK_THREADS={THREADS}",)) + EXTRA_DEFINES
     kernel = build.load_module(SOURCE, logits.device, defines).kernel(the_plan.kernel, SIGNATURE)
@@ -141,7 +154,7 @@ def launch(
         (rollout_logp if config.use_tis else old_logp).data_ptr(), weights.data_ptr(), per_token.data_ptr(),
         logits.stride(0), grad.stride(0), num_tokens, vocab, the_plan.slice, ignore_index,
         temperature, config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
-        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags,
+        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags, error_word, call_id,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
