@@ -7,8 +7,8 @@
 Exit codes: 0 clean, 1 a regression (or an improvement under --fail-on-improvement, or a
 missing baseline under --require-baselines), 2 usage error or an unreadable/corrupt file.
 
-Other parts add subcommands through ``add_subcommands(subparsers)`` in ``pytest_rlk.e2e.cli``
-and ``pytest_rlk.bench_cli``; each subparser sets ``func=handler`` with ``handler(args) -> int``.
+Other parts add subcommands through ``add_subcommands(subparsers)`` in ``pytest_rlk.e2e.cli``,
+``pytest_rlk.bench_cli`` and ``pytest_rlk.drift.cli`` (``rlk drift``); each subparser sets ``func=handler`` with ``handler(args) -> int``.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pytest_rlk.session import merge_run
 from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines
 from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text
 
-EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli")
+EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli")
 
 
 def _load_run(arg: str, artifacts: Path | None) -> tuple[Path, RunRecord]:

