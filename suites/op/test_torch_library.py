@@ -14,6 +14,8 @@ Shapes are tiny: the point is the operator plumbing; the ops' values are the par
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,13 @@ from suites.op.rlk_op_cases import DEVICE
 T, V, H = 6, 37, 8
 CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01)
 BACKENDS = ("reference", "rlk-triton")
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_enabled():
+    """torch.compile is a no-op under TORCHDYNAMO_DISABLE=1: the compile tests would pass vacuously."""
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+        pytest.fail("TORCHDYNAMO_DISABLE=1 in this process: torch.compile does nothing, so these tests prove nothing")
 
 
 @pytest.fixture(params=BACKENDS)

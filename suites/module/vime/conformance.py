@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import os
 import shlex
@@ -63,6 +64,25 @@ def _drop_vime_modules() -> None:
         del sys.modules[name]
 
 
+@contextlib.contextmanager
+def eager_torch_compile():
+    """Import vime's modules with ``TORCHDYNAMO_DISABLE=1`` (unless the caller set it): vime's
+    ``torch.compile``-decorated helpers (``compute_policy_loss``, ``compute_approx_kl``,
+    ``compute_cispo_loss``) are decorated at import, and so stay eager; inductor would compile a
+    C++ kernel per dynamic shape, minutes on a 2-core CPU, for the same math. Scoped to the import:
+    torch reads the variable when ``torch.compile`` is called, so the rest of a pytest session
+    keeps compiling."""
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = previous if previous is not None else "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
 def use_vime_root(root: Path, module: str = LOSS_MODULE, preload: Mapping[str, ModuleType] | None = None):
     """Import ``module`` from the vime checkout at ``root`` (first on ``sys.path``; earlier vime imports dropped).
 
@@ -79,7 +99,8 @@ def use_vime_root(root: Path, module: str = LOSS_MODULE, preload: Mapping[str, M
     sys.path.insert(0, str(root))
     _drop_vime_modules()
     sys.modules.update(preload or {})
-    imported = importlib.import_module(module)
+    with eager_torch_compile():
+        imported = importlib.import_module(module)
     if not str(Path(imported.__file__).resolve()).startswith(str(root)):
         raise VimeTreeError(f"{module} was imported from {imported.__file__}, not from {root}")
     return imported
@@ -299,8 +320,9 @@ def parse_train_argv(root: Path, argv: Sequence[str],
     checkpoint a spec names is a placeholder here, and comparing its config is not flag parsing.
     """
     arguments = use_vime_root(root, ARGUMENTS_MODULE, preload)
-    vllm_arguments = importlib.import_module(VLLM_ARGUMENTS_MODULE)
-    megatron_arguments = importlib.import_module(MEGATRON_ARGUMENTS_MODULE)
+    with eager_torch_compile():
+        vllm_arguments = importlib.import_module(VLLM_ARGUMENTS_MODULE)
+        megatron_arguments = importlib.import_module(MEGATRON_ARGUMENTS_MODULE)
     leftovers: list[list[str]] = []
     with _argv(argv), _recording_leftovers(leftovers):
         try:

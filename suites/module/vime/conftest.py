@@ -11,15 +11,14 @@ Stand-ins (only where a module cannot be imported here; each named in ``parser_s
 commit do not hold that file; the parser only calls ``logging_utils.configure_logger``).
 
 vime's ``torch.compile``-decorated helpers (``compute_policy_loss``, ``compute_approx_kl``,
-``compute_cispo_loss``) run eagerly here (``TORCHDYNAMO_DISABLE=1`` unless the caller set it):
-inductor compiles a C++ kernel per dynamic shape, minutes on a 2-core CPU, for the same math.
+``compute_cispo_loss``) run eagerly here: their modules are imported under ``TORCHDYNAMO_DISABLE=1``
+(``conformance.eager_torch_compile``), and only while they are imported.
 Nothing else of vime is stubbed: a module that cannot be imported is an error naming it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -27,9 +26,7 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-
-from suites.module.vime import conformance  # noqa: E402
+from suites.module.vime import conformance
 
 
 def _root(config, option: str) -> Path | None:

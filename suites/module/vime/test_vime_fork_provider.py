@@ -42,7 +42,8 @@ def native(vime_root):
     path = vime_root / "vime" / "utils" / "ppo_utils.py"
     spec = importlib.util.spec_from_file_location("vime_native_ppo_utils", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with cf.eager_torch_compile():
+        spec.loader.exec_module(module)
     return module.calculate_log_probs_and_entropy
 
 
