@@ -39,7 +39,7 @@ from rlk_compiled import COMPILED, measure_compiled
 
 import kernels
 from kernels import tolerances
-from kernels.ops.linear_logp import BWD_MATMUL_ENV, DEFAULT_WORKSPACE_BYTES, linear_logp
+from kernels.ops.linear_logp import BWD_MATMUL_ENV, DEFAULT_WORKSPACE_BYTES
 from kernels.reference.linear_logp import fp32_logits
 from pytest_rlk.timing import bench, peak_extra_memory
 
@@ -49,7 +49,8 @@ BUDGETS = {"rlk": DEFAULT_WORKSPACE_BYTES, "rlk_ws_logits": LOGITS_BYTES, "rlk_k
 SHAPE_CASE = f"linear_logp-bf16-T{T}-H{H}-V{V}"
 LOGITS = {"random": (1.0, 2.0 / H**0.5), "peaked": (0.5, 0.125)}  # (hidden std, weight std)
 
-pytestmark = [pytest.mark.gpu]
+# the public API as a user calls it: VIME_RL_KERNEL=1, every other setting at its default
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("user_default")]
 
 Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The H100/H200 run these products at their power limit, where the clock drifts over seconds: the
@@ -104,7 +105,20 @@ def _cce() -> Impl | None:
 
 
 def _ours(budget: int) -> Impl:
-    return functools.partial(linear_logp, workspace_bytes=None if budget == DEFAULT_WORKSPACE_BYTES else budget)
+    """The public call a user makes (``VIME_RL_KERNEL=1``, dispatch and checks included); a budget
+    other than the default is the op's ``workspace_bytes`` argument."""
+    if budget == DEFAULT_WORKSPACE_BYTES:
+        return kernels.linear_logp
+    return functools.partial(kernels.linear_logp, workspace_bytes=budget)
+
+
+def _select_variant(monkeypatch, name: str) -> None:
+    """Our labelled variant's setting; the headline ``rlk`` runs with every setting at its default."""
+    variant = OUR_VARIANTS.get(name)
+    if variant == "triton":
+        monkeypatch.setenv(BWD_MATMUL_ENV, variant)
+    else:
+        monkeypatch.delenv(BWD_MATMUL_ENV, raising=False)
 
 
 # Our op at each budget, and with our Triton dH/dW matmuls (RLK_LINEAR_LOGP_BWD_MATMUL=triton).
@@ -245,8 +259,9 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
     impls = _impls(pass_name)
     measured: dict[str, float] = {}
     fns: dict[str, Callable[[], object]] = {}
+    kernels.reset_fallback_counts()
     for name, impl in impls.items():
-        monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "torch"))
+        _select_variant(monkeypatch, name)
 
         def forward(impl=impl):
             with torch.no_grad():
@@ -260,7 +275,7 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
     rounds: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
-            monkeypatch.setenv(BWD_MATMUL_ENV, OUR_VARIANTS.get(name, "torch"))
+            _select_variant(monkeypatch, name)
             rounds[name].append(bench(fn, device="cuda").median_ms)
     for name, times in rounds.items():
         measured[name] = statistics.median(times)
@@ -274,6 +289,7 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
                 return f(hidden, weight, ids)
         return torch.autograd.grad(f(hidden, weight, ids), (hidden, weight), upstream)
 
+    assert kernels.fallback_counts() == {}, f"our kernels fell back while being timed: {kernels.fallback_counts()}"
     monkeypatch.delenv(BWD_MATMUL_ENV, raising=False)
     measured[COMPILED] = measure_compiled(rlk_metrics, kernels.linear_logp, compiled_ours, bytes_moved, tags)
     summary = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in measured.items())
