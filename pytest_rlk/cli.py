@@ -41,7 +41,7 @@ def diff_against_baselines(run: RunRecord, baselines: Path, *, refresh_rel: floa
         if not any(m.gate for m in test.metrics):
             continue
         tier = test.tier or UNTIERED
-        path, baseline = storage.find_baseline(baselines, tier, platform, test.case)
+        path, baseline = storage.find_baseline(baselines, tier, test.gated_platform(platform), test.case)
         result = compare_to_baseline(test, baseline, refresh_rel=refresh_rel)
         result.baseline_path = str(path)
         results.append(result)

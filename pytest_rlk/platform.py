@@ -101,6 +101,15 @@ def detect(override: str | None = None) -> PlatformInfo:
     return with_override(info, override)
 
 
+def baseline_platform(tag: str, gpus: float) -> str:
+    """The baselines directory of a test on ``gpus`` GPUs of a ``tag`` machine: ``tag`` for one
+    GPU, ``<tag>x<k>`` for a test that needs k > 1 (its ``gpus(k)`` marker). A multi-GPU test's
+    figures depend on its topology (the collectives' reduction order, the link between the GPUs),
+    so they are kept apart from the single-GPU figures of the same device, which every GPU of a
+    bigger machine reproduces."""
+    return tag if gpus <= 1 else f"{tag}x{int(gpus)}"
+
+
 def with_override(info: PlatformInfo, tag: str | None) -> PlatformInfo:
     """``--rlk-platform TAG``: replace the tag; ``cpu`` also hides the GPUs from the marker
     checks (``gpu``, ``gpus(n)``, ``gpu_mem(gb)``), so a GPU machine told it is a CPU one selects

@@ -429,6 +429,9 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
                         skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
                         worker=state.worker or "main", gate_error=item.stash.get(GATE_ERROR, None))
+    gpus = sharding.gpus_needed((m.name, m.args) for m in item.iter_markers())
+    if gpus > 1:
+        record.baseline_platform = rlk_platform.baseline_platform(state.platform.tag, gpus)
     seen = item.stash.get(BACKEND_SEEN, None)
     record.backends = [seen] if seen is not None else []
     if recorder is not None:
@@ -474,11 +477,12 @@ def pytest_runtest_call(item):
         pytest.fail(f"rlk: case {recorder.case!r} is gated by {owner} already; each test needs its "
                     "own case (it names the baseline file): use rlk_metrics.set_case(...)", pytrace=False)
     opts = state.opts
-    settings = GateSettings(baselines=opts.baselines, platform=state.platform.tag,
+    record = _test_record(item, "passed")
+    settings = GateSettings(baselines=opts.baselines, platform=record.gated_platform(state.platform.tag),
                             update=opts.update_baselines, require=opts.require_baselines,
                             refresh_rel=opts.refresh_rel, fail_on_improvement=opts.fail_on_improvement)
     try:
-        outcome = gate_test(_test_record(item, "passed"), settings, _provenance(state))
+        outcome = gate_test(record, settings, _provenance(state))
     except (storage.RlkFileError, ValueError) as exc:
         item.stash[GATE_ERROR] = str(exc)
         outcome = None

@@ -207,6 +207,13 @@ class TestRecord(_Strict):
     backends: list[str] = Field(default_factory=list)
     # a baseline that could not be used (corrupt, wrong version, misplaced): "<file>: <what>"
     gate_error: str | None = None
+    # the baselines directory when it is not the run's platform: <tag>x<k> for a test on k > 1
+    # GPUs (pytest_rlk.platform.baseline_platform)
+    baseline_platform: str | None = None
+
+    def gated_platform(self, run_platform: str) -> str:
+        """The platform whose baselines gate this test in a run on ``run_platform``."""
+        return self.baseline_platform or run_platform
 
 
 class PartFile(_Strict):

@@ -197,3 +197,54 @@ def test_dup(rlk_metrics, i):
     result = _run(rlk_pytester)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*case 'same' is gated by suites/op/test_dup.py::test_dup[[]1[]] already*"])
+
+
+MULTI_GPU = """
+import os
+import pytest
+
+def test_one_gpu(rlk_metrics):
+    rlk_metrics.record("err", 1e-6, direction="lower_is_better", space="error")
+
+@pytest.mark.gpus(2)
+def test_two_gpus(rlk_metrics):
+    rlk_metrics.record("err", float(os.environ.get("TWO_GPU_ERR", "1e-6")), direction="lower_is_better",
+                       space="error", band={"abs_floor": 1e-5, "source": "test tolerance"})
+"""
+TWO_H200 = '''
+pytest_plugins = ["pytest_rlk.plugin"]
+from pytest_rlk.schema import PlatformInfo
+
+def pytest_rlk_platform(config):
+    return PlatformInfo(tag="h200", detected_tag="h200", device_name="NVIDIA H200", device_count=2,
+                        memory_bytes=150_000_000_000, capability="9.0")
+'''
+
+
+def test_a_multi_gpu_test_keeps_its_baselines_under_tag_x_gpus(rlk_pytester, monkeypatch):
+    """On a 2-GPU H200 node, a gpus(2) test gates against baselines/<tier>/h200x2/ (its figures
+    depend on the two GPUs' topology) and a one-GPU test against h200/; `rlk diff` of the run
+    looks in the same places, and a regression of the 2-GPU value fails both."""
+    from pytest_rlk import cli
+
+    monkeypatch.delenv("TWO_GPU_ERR", raising=False)
+    rlk_pytester.makeconftest(TWO_H200)
+    rlk_pytester.makepyfile(**{"suites/op/test_multi": MULTI_GPU})
+    _ = rlk_pytester.runpytest("--rlk-update-baselines=all")
+    base = rlk_pytester.path / "baselines" / "op"
+    assert sorted(p.relative_to(base).as_posix() for p in base.rglob("*.json")) == [
+        "h200/test_multi.test_one_gpu.json", "h200x2/test_multi.test_two_gpus.json"]
+    assert json.loads((base / "h200x2/test_multi.test_two_gpus.json").read_text())["platform"] == "h200x2"
+    result = rlk_pytester.runpytest("--rlk-require-baselines")
+    result.assert_outcomes(passed=2)
+    run = latest_run(rlk_pytester)
+    assert {t.nodeid.split("::")[1]: t.baseline_platform for t in run.tests} == {
+        "test_one_gpu": None, "test_two_gpus": "h200x2"}
+    runs = str(rlk_pytester.path / ".rlk" / "runs")
+    baselines = str(rlk_pytester.path / "baselines")
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", baselines]) == 0
+    monkeypatch.setenv("TWO_GPU_ERR", "1e-3")
+    result = rlk_pytester.runpytest("--rlk-require-baselines")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*baselines/op/h200x2/test_multi.test_two_gpus.json*", "  err: regression*"])
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", baselines]) == 1
