@@ -429,7 +429,8 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
                         tier=item.stash.get(TIER, None), outcome=outcome, duration_s=duration,
                         skip_reason=skip_reason, failure=failure, unserved=UNSERVED in item.stash,
                         worker=state.worker or "main", gate_error=item.stash.get(GATE_ERROR, None))
-    gpus = sharding.gpus_needed((m.name, m.args) for m in item.iter_markers())
+    gpus = max(sharding.gpus_needed((m.name, m.args) for m in item.iter_markers()),
+               recorder.gpus if recorder is not None else 1)
     if gpus > 1:
         record.baseline_platform = rlk_platform.baseline_platform(state.platform.tag, gpus)
     seen = item.stash.get(BACKEND_SEEN, None)

@@ -73,6 +73,7 @@ class MetricRecorder:
         self.seeds: dict[str, int] = {}
         self.fallback_counts: dict[str, int] = {}
         self.backends: list[str] = []
+        self.gpus = 1
         self._artifact_dir: Path | None = None
 
     @property
@@ -81,6 +82,15 @@ class MetricRecorder:
 
     def set_case(self, case: str) -> None:
         self._case = validate_case(case)
+
+    def set_gpus(self, count: int) -> None:
+        """The GPUs this test's figures came from, where the test decides it at run time (a TP=2
+        side that runs over NCCL only where the machine has two GPUs): with ``count`` > 1 the
+        test gates against ``<tag>x<count>`` baselines, as a ``gpus(count)`` marker's test does
+        (pytest_rlk.platform.baseline_platform)."""
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"rlk_metrics.set_gpus: count must be a positive int, got {count!r}")
+        self.gpus = count
 
     @property
     def artifact_dir(self) -> Path:

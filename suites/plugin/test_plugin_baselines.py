@@ -206,6 +206,10 @@ import pytest
 def test_one_gpu(rlk_metrics):
     rlk_metrics.record("err", 1e-6, direction="lower_is_better", space="error")
 
+def test_decides_at_run_time(rlk_metrics):
+    rlk_metrics.set_gpus(2)
+    rlk_metrics.record("err", 1e-6, direction="lower_is_better", space="error")
+
 @pytest.mark.gpus(2)
 def test_two_gpus(rlk_metrics):
     rlk_metrics.record("err", float(os.environ.get("TWO_GPU_ERR", "1e-6")), direction="lower_is_better",
@@ -233,18 +237,19 @@ def test_a_multi_gpu_test_keeps_its_baselines_under_tag_x_gpus(rlk_pytester, mon
     _ = rlk_pytester.runpytest("--rlk-update-baselines=all")
     base = rlk_pytester.path / "baselines" / "op"
     assert sorted(p.relative_to(base).as_posix() for p in base.rglob("*.json")) == [
-        "h200/test_multi.test_one_gpu.json", "h200x2/test_multi.test_two_gpus.json"]
+        "h200/test_multi.test_one_gpu.json", "h200x2/test_multi.test_decides_at_run_time.json",
+        "h200x2/test_multi.test_two_gpus.json"]
     assert json.loads((base / "h200x2/test_multi.test_two_gpus.json").read_text())["platform"] == "h200x2"
     result = rlk_pytester.runpytest("--rlk-require-baselines")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
     run = latest_run(rlk_pytester)
     assert {t.nodeid.split("::")[1]: t.baseline_platform for t in run.tests} == {
-        "test_one_gpu": None, "test_two_gpus": "h200x2"}
+        "test_one_gpu": None, "test_decides_at_run_time": "h200x2", "test_two_gpus": "h200x2"}
     runs = str(rlk_pytester.path / ".rlk" / "runs")
     baselines = str(rlk_pytester.path / "baselines")
     assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", baselines]) == 0
     monkeypatch.setenv("TWO_GPU_ERR", "1e-3")
     result = rlk_pytester.runpytest("--rlk-require-baselines")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*baselines/op/h200x2/test_multi.test_two_gpus.json*", "  err: regression*"])
     assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", baselines]) == 1

@@ -2,7 +2,8 @@
 
 Each rung's test records its comparisons (pytest_rlk/drift/metrics.py: gated ``abs_mean`` /
 ``abs_max`` with the contract's band, the other diagnostics ungated) against
-``baselines/module/<platform>/test_drift_ladder.test_rung-<kind>-<rung>.json`` and asserts the
+``baselines/module/<platform>/test_drift_ladder.test_rung-<kind>-<rung>.json`` (``<platform>x2``
+where a TP=2 side ran over NCCL, a GPU per rank: its figures are the 2-GPU topology's) and asserts the
 contracts (A0 bitwise, A1/A2 the tolerance table's bounds). The table test writes the run's drift
 table, plot and attribution to its artifact directory.
 """
@@ -14,6 +15,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from pytest_rlk.drift import metrics, table
 from pytest_rlk.drift.rungs import RUNGS
@@ -33,6 +35,8 @@ def test_rung(kind, rung, ladders, rlk_metrics):
         pytest.skip("; ".join(sorted({c.skipped or "" for c in comparisons})))
     for c in ran:
         metrics.record_comparison(rlk_metrics, result, c)
+    if torch.cuda.is_available() and any("tp2" in c.spec.source.split("+") for c in ran):
+        rlk_metrics.set_gpus(2)  # the TP=2 side ran over NCCL, a GPU per rank: baselines under <tag>x2
     (rlk_metrics.artifact_dir / "comparisons.json").write_text(json.dumps([c.to_dict() for c in comparisons], indent=1))
     skipped = [f"{c.spec.key}: {c.skipped}" for c in comparisons if c.diagnostics is None]
     broken = [f"{c.spec.key}: {c.violation}" for c in ran if c.violation]
