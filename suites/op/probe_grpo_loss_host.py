@@ -1,0 +1,134 @@
+"""Host time of a launch-bound grpo_loss call, part by part (GPU; a script, not a test).
+
+    python suites/op/probe_grpo_loss_host.py [--out FILE.json] [--profile]
+
+Public call (``kernels.grpo_loss`` with ``VIME_RL_KERNEL=1``) at [64, 151936] bf16, vime's loss as
+the benchmarks run it: forward alone, backward alone (``torch.autograd.grad`` of a fresh forward's
+loss), forward+backward, on the C++ host path and with it off (the Python path), and beside them
+what they cannot go below in this process: a trivial ``torch.autograd.grad((x * 2).sum(), x)``,
+``torch.empty(64)``, and the contract and dispatch alone. Each figure is the lowest block median
+of ``rlk_bench.host_overhead_blocks_us`` (us per call). ``--profile``: cProfile of the public
+fwd+bwd on the host path (the Python left in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ["VIME_RL_KERNEL"] = "1"
+
+from rlk_bench import host_overhead_blocks_us
+
+import kernels
+from kernels import LossConfig, dispatch
+from kernels.contracts import GrpoLossCall
+from kernels.ops import grpo_loss as grpo_loss_op
+
+CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type="low_var_kl")
+
+
+def _inputs(num_tokens: int, vocab: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(num_tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    ids = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
+    base = -torch.rand(num_tokens, device="cuda", generator=gen) * 5
+    kw = {
+        "old_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
+        "ref_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
+        "advantages": torch.randn(num_tokens, device="cuda", generator=gen),
+        "loss_mask": torch.rand(num_tokens, device="cuda", generator=gen) > 0.1,
+        "lengths": torch.full((1,), num_tokens, device="cuda"),
+    }
+    return logits, ids, kw
+
+
+def _lowest(fn, calls: int, blocks: int) -> float:
+    return min(host_overhead_blocks_us(fn, calls=calls, blocks=blocks, pause_s=0.1))
+
+
+def _backward_alone_us(forward, logits, calls: int, blocks: int) -> float:
+    """Median host time of ``torch.autograd.grad`` alone, each on a fresh forward's loss (untimed)."""
+    medians = []
+    for _ in range(blocks):
+        spans = []
+        for i in range(calls):
+            loss = forward()
+            start = time.perf_counter()
+            torch.autograd.grad(loss, logits)
+            spans.append(time.perf_counter() - start)
+            if i % 50 == 49:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        medians.append(statistics.median(spans) * 1e6)
+        time.sleep(0.1)
+    return min(medians)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--blocks", type=int, default=4)
+    args = parser.parse_args()
+    calls, blocks = args.calls, args.blocks
+    logits, ids, kw = _inputs(64, 151936)
+
+    def forward():
+        return kernels.grpo_loss(logits, ids, config=CONFIG, **kw)[0]
+
+    def forward_backward():
+        return torch.autograd.grad(forward(), logits)
+
+    for _ in range(3):
+        forward_backward()
+    torch.cuda.synchronize()
+    results: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                  "shape": "64x151936 bf16"}
+    served = grpo_loss_op._HOST.load().served() if grpo_loss_op._host_forward is not None else None
+    results["host_path"] = grpo_loss_op.host_path()
+    for path in ("c++", "python"):
+        if path == "python":
+            saved, grpo_loss_op._host_forward = grpo_loss_op._host_forward, None
+        results[f"{path}_fwd_us"] = _lowest(forward, calls, blocks)
+        results[f"{path}_bwd_us"] = _backward_alone_us(forward, logits, calls, blocks)
+        results[f"{path}_fwd_bwd_us"] = _lowest(forward_backward, calls, blocks)
+        if path == "python":
+            grpo_loss_op._host_forward = saved
+    if served is not None:
+        results["calls_served_by_cpp"] = grpo_loss_op._HOST.load().served() - served
+    x = torch.zeros(64, device="cuda", requires_grad=True)
+    results["floor_autograd_grad_us"] = _lowest(lambda: torch.autograd.grad((x * 2).sum(), x), calls, blocks)
+    results["floor_empty_us"] = _lowest(lambda: torch.empty(64, device="cuda"), calls, blocks)
+    results["contract_us"] = _lowest(lambda: GrpoLossCall(logits, ids, config=CONFIG, **kw), calls, blocks)
+    call = GrpoLossCall(logits, ids, config=CONFIG, **kw)
+    results["dispatch_select_us"] = _lowest(lambda: dispatch.select("grpo_loss", **call.case()), calls, blocks)
+    for key, value in results.items():
+        print(f"{key}: {value:.1f}" if isinstance(value, float) else f"{key}: {value}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for i in range(2000):
+            forward_backward()
+            if i % 100 == 99:
+                torch.cuda.synchronize()
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
