@@ -473,7 +473,7 @@ def _registered(stored, what: str) -> None:
     global _host_forward
     if stored is False:
         raise LaunchKeyError(f"grpo_loss host path: its key for this call's {what} holds another compiled kernel")
-    if stored:
+    if stored and _host_forward is None:
         _host_forward = _HOST.load().forward
 
 

@@ -6,9 +6,10 @@ Public call (``kernels.grpo_loss`` with ``VIME_RL_KERNEL=1``) at [64, 151936] bf
 the benchmarks run it: forward alone, backward alone (``torch.autograd.grad`` of a fresh forward's
 loss), forward+backward, on the C++ host path and with it off (the Python path), and beside them
 what they cannot go below in this process: a trivial ``torch.autograd.grad((x * 2).sum(), x)``,
-``torch.empty(64)``, and the contract and dispatch alone. Each figure is the lowest block median
-of ``rlk_bench.host_overhead_blocks_us`` (us per call). ``--profile``: cProfile of the public
-fwd+bwd on the host path (the Python left in it).
+``torch.empty(64)``, the contract and dispatch alone, the C++ forward alone. The paths take turns
+block by block (the host's speed drifts); each figure is the lowest block median (us per call).
+Then the C++ module's own clock per phase (``phases``), and with ``--profile`` cProfile of the
+public fwd+bwd on the host path (the Python left in it).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _inputs(num_tokens: int, vocab: int):
 
 
 def _lowest(fn, calls: int, blocks: int) -> float:
-    return min(host_overhead_blocks_us(fn, calls=calls, blocks=blocks, pause_s=0.1))
+    return min(host_overhead_blocks_us(fn, calls=calls, blocks=blocks, pause_s=0.0))
 
 
 def _backward_alone_us(forward, logits, calls: int, blocks: int) -> float:
@@ -69,7 +70,6 @@ def _backward_alone_us(forward, logits, calls: int, blocks: int) -> float:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
         medians.append(statistics.median(spans) * 1e6)
-        time.sleep(0.1)
     return min(medians)
 
 
@@ -77,8 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--calls", type=int, default=400)
-    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--blocks", type=int, default=4, help="rounds in which the paths take turns")
     args = parser.parse_args()
     calls, blocks = args.calls, args.blocks
     logits, ids, kw = _inputs(64, 151936)
@@ -93,25 +93,47 @@ def main() -> None:
         forward_backward()
     torch.cuda.synchronize()
     results: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                  "shape": "64x151936 bf16"}
-    served = grpo_loss_op._HOST.load().served() if grpo_loss_op._host_forward is not None else None
-    results["host_path"] = grpo_loss_op.host_path()
-    for path in ("c++", "python"):
-        if path == "python":
-            saved, grpo_loss_op._host_forward = grpo_loss_op._host_forward, None
-        results[f"{path}_fwd_us"] = _lowest(forward, calls, blocks)
-        results[f"{path}_bwd_us"] = _backward_alone_us(forward, logits, calls, blocks)
-        results[f"{path}_fwd_bwd_us"] = _lowest(forward_backward, calls, blocks)
-        if path == "python":
-            grpo_loss_op._host_forward = saved
-    if served is not None:
-        results["calls_served_by_cpp"] = grpo_loss_op._HOST.load().served() - served
+                                  "shape": "64x151936 bf16", "host_path": grpo_loss_op.host_path()}
+    module = grpo_loss_op._HOST.load()
+    host_forward = grpo_loss_op._host_forward
     x = torch.zeros(64, device="cuda", requires_grad=True)
-    results["floor_autograd_grad_us"] = _lowest(lambda: torch.autograd.grad((x * 2).sum(), x), calls, blocks)
-    results["floor_empty_us"] = _lowest(lambda: torch.empty(64, device="cuda"), calls, blocks)
-    results["contract_us"] = _lowest(lambda: GrpoLossCall(logits, ids, config=CONFIG, **kw), calls, blocks)
     call = GrpoLossCall(logits, ids, config=CONFIG, **kw)
-    results["dispatch_select_us"] = _lowest(lambda: dispatch.select("grpo_loss", **call.case()), calls, blocks)
+    probes = {
+        "fwd_us": lambda: _lowest(forward, calls, 1),
+        "bwd_us": lambda: _backward_alone_us(forward, logits, calls, 1),
+        "fwd_bwd_us": lambda: _lowest(forward_backward, calls, 1),
+    }
+    # the host's speed comes in regimes that last seconds: the paths take turns, block by block, and
+    # each figure is its lowest block
+    registrations = grpo_loss_op._register_forward, grpo_loss_op._register_backward
+    for _ in range(blocks):
+        for path in ("c++", "python"):
+            # the Python path alone: no host path, and no registration (which would turn it back on)
+            python = path == "python"
+            grpo_loss_op._host_forward = None if python else host_forward
+            grpo_loss_op._register_forward, grpo_loss_op._register_backward = (
+                (lambda *a: None, lambda *a: None) if python else registrations)
+            before = module.served()
+            for name, probe in probes.items():
+                key = f"{path}_{name}"
+                results[key] = min(results.get(key, float("inf")), probe())
+            served_here = f"{path}_blocks_served_by_cpp"
+            results[served_here] = results.get(served_here, 0) + module.served() - before
+        grpo_loss_op._host_forward = host_forward
+        grpo_loss_op._register_forward, grpo_loss_op._register_backward = registrations
+        for key, fn in (("floor_autograd_grad_us", lambda: torch.autograd.grad((x * 2).sum(), x)),
+                        ("floor_empty_us", lambda: torch.empty(64, device="cuda")),
+                        ("contract_us", lambda: GrpoLossCall(logits, ids, config=CONFIG, **kw)),
+                        ("dispatch_select_us", lambda: dispatch.select("grpo_loss", **call.case())),
+                        ("cpp_forward_alone_us", lambda: module.forward(call))):
+            results[key] = min(results.get(key, float("inf")), _lowest(fn, calls, 1))
+    module.phases(True)
+    for i in range(calls):
+        forward_backward()
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    results["cpp_phases_us"] = {k: round(v, 2) for k, v in module.phases(False).items()}
     for key, value in results.items():
         print(f"{key}: {value:.1f}" if isinstance(value, float) else f"{key}: {value}")
     if args.out is not None:

@@ -272,16 +272,25 @@ def test_grpo_loss_call_takes_the_host_path_only_while_the_fast_path_may_run(mon
         served.append(call)
         return sentinel
 
+    class PythonPath:  # GrpoLossFunction, as grpo_loss_call sees it
+        calls = 0
+
+        @classmethod
+        def apply(cls, logits, call):
+            cls.calls += 1
+            return torch.zeros(()), torch.zeros(4)
+
     monkeypatch.setattr(grpo_loss_op, "_host_forward", host)
+    monkeypatch.setattr(grpo_loss_op, "GrpoLossFunction", PythonPath)
     call = _cpu_grpo_call()
     monkeypatch.setattr(launch, "fast_path_now", lambda: _FakeRuntime())
-    assert grpo_loss_op.grpo_loss_call(call) is sentinel and served == [call]
+    assert grpo_loss_op.grpo_loss_call(call) is sentinel and served == [call] and PythonPath.calls == 0
     monkeypatch.setenv("RLK_GRPO_ONE_READ", "0")
-    loss, metrics = grpo_loss_op.grpo_loss_call(call)  # the Python path (the interpreter, on CPU)
-    assert loss is not sentinel[0] and set(metrics) == {"pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss"}
+    _, metrics = grpo_loss_op.grpo_loss_call(call)
+    assert PythonPath.calls == 1 and set(metrics) == {"pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss"}
     monkeypatch.delenv("RLK_GRPO_ONE_READ")
     monkeypatch.setattr(launch, "fast_path_now", lambda: None)
-    assert grpo_loss_op.grpo_loss_call(call) is not sentinel
+    assert grpo_loss_op.grpo_loss_call(call) is not sentinel and PythonPath.calls == 2
     assert len(served) == 1
 
 

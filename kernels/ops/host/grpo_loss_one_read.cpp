@@ -33,6 +33,9 @@
 //   second backward through a retained graph calls (the forward's dlogits were handed out by the
 //   first one: that backward writes fresh rows, as GrpoLossFunction.backward does). clear() forgets
 //   every registered kernel; served() counts the calls forward served (for tests and tags).
+// * phases(on) switches on (or off) a clock around each phase of forward and of the node's apply and
+//   returns what was measured since the last call, as {phase: mean us per call} (for the host-time
+//   probe, suites/op/probe_grpo_loss_host.py; off, it costs one branch per phase).
 //
 // Semantics kept from GrpoLossFunction: logits and ids saved as SavedVariables (saved-tensor hooks,
 // the version-counter check, "backward through the graph a second time" after release); dlogits
@@ -63,6 +66,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -221,6 +225,27 @@ PyObject* metric_names[4] = {nullptr, nullptr, nullptr, nullptr};
 PyObject* second_backward = nullptr;
 std::atomic<int64_t> served_calls{0};
 
+// The phases(on) clock: ns per phase summed over the calls since the last phases() call.
+enum Phase { kChecks, kAlloc, kWeights, kOneRead, kSums, kNode, kOutputs, kBackward, kPhases };
+const char* const phase_names[kPhases] = {"checks", "allocations", "token_weights_launch", "one_read_launch",
+                                          "weighted_sums_launch", "autograd_node", "outputs", "backward_apply"};
+std::atomic<bool> timing{false};
+std::atomic<int64_t> phase_ns[kPhases];
+std::atomic<int64_t> phase_calls[kPhases];
+
+struct PhaseClock {
+  bool on = timing.load(std::memory_order_relaxed);
+  std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  void mark(Phase phase) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_ns[phase].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
+                              std::memory_order_relaxed);
+    phase_calls[phase].fetch_add(1, std::memory_order_relaxed);
+    last = now;
+  }
+};
+
 // 0..4 for fp32, bf16, fp16, fp64, bool; 5 int64, 6 int32; -1 otherwise
 int dtype_code(at::ScalarType type) {
   switch (type) {
@@ -248,6 +273,18 @@ uint64_t rows_bits(int64_t t) { return (t % 4 == 0 ? 2u : 0u) | (t % 2 == 0 ? 1u
 
 // ---------------------------------------------------------------- the call's common case
 
+// obj.name, with the name interned once (a lookup per call, no string built).
+PyObject* get_attr(PyObject* obj, const char* name) {
+  static std::unordered_map<const char*, PyObject*> names;
+  auto found = names.find(name);
+  if (found == names.end()) {
+    PyObject* interned = PyUnicode_InternFromString(name);
+    if (interned == nullptr) return nullptr;
+    found = names.emplace(name, interned).first;
+  }
+  return PyObject_GetAttr(obj, found->second);
+}
+
 struct Config {
   PyObject* object = nullptr;  // the LossConfig these values were read from (a reference is held)
   double eps_low, eps_high, eps_c, kl_coef, tis_low, tis_high;
@@ -258,7 +295,7 @@ struct Config {
 Config config_cache;
 
 bool read_double(PyObject* obj, const char* name, double* out) {
-  PyObject* value = PyObject_GetAttrString(obj, name);
+  PyObject* value = get_attr(obj, name);
   if (value == nullptr) return false;
   const bool ok = PyFloat_Check(value) || PyLong_Check(value);
   if (ok) *out = PyFloat_AsDouble(value);
@@ -267,7 +304,7 @@ bool read_double(PyObject* obj, const char* name, double* out) {
 }
 
 int read_flag(PyObject* obj, const char* name) {  // 1, 0, or -1 (not a bool)
-  PyObject* value = PyObject_GetAttrString(obj, name);
+  PyObject* value = get_attr(obj, name);
   if (value == nullptr) return -1;
   const int out = value == Py_True ? 1 : value == Py_False ? 0 : -1;
   Py_DECREF(value);
@@ -275,7 +312,7 @@ int read_flag(PyObject* obj, const char* name) {  // 1, 0, or -1 (not a bool)
 }
 
 bool read_choice(PyObject* obj, const char* name, const char* const* choices, int n, int* out) {
-  PyObject* value = PyObject_GetAttrString(obj, name);
+  PyObject* value = get_attr(obj, name);
   if (value == nullptr) return false;
   const char* text = PyUnicode_Check(value) ? PyUnicode_AsUTF8(value) : nullptr;
   *out = -1;
@@ -292,7 +329,7 @@ const Config* read_config(PyObject* obj) {
   static const char* const kl_types[] = {"k1", "k2", "k3", "low_var_kl"};
   static const char* const reductions[] = {"sum_of_sample_mean", "per_token_sum"};
   Config c;
-  PyObject* eps_c = PyObject_GetAttrString(obj, "eps_clip_c");
+  PyObject* eps_c = get_attr(obj, "eps_clip_c");
   if (eps_c == nullptr) return nullptr;
   c.dual_clip = eps_c != Py_None;
   c.eps_c = 0.0;
@@ -345,7 +382,7 @@ struct Call {
 
 // The call's attribute `name` as a plain tensor (nullptr if it is None where `optional`), or false.
 bool tensor_attr(PyObject* call, const char* name, bool optional, Call* out, const at::Tensor** tensor) {
-  PyObject* value = PyObject_GetAttrString(call, name);
+  PyObject* value = get_attr(call, name);
   if (value == nullptr) return false;
   out->held[out->nheld++] = value;
   if (value == Py_None) {
@@ -358,7 +395,7 @@ bool tensor_attr(PyObject* call, const char* name, bool optional, Call* out, con
 }
 
 bool int_attr(PyObject* call, const char* name, int64_t* out) {
-  PyObject* value = PyObject_GetAttrString(call, name);
+  PyObject* value = get_attr(call, name);
   if (value == nullptr) return false;
   const bool ok = PyLong_CheckExact(value);
   if (ok) *out = PyLong_AsLongLong(value);
@@ -380,11 +417,11 @@ bool no_python_modes() {
 
 // Whether `obj` (a GrpoLossCall) is a common-case call (see the contract above); fills `call` if so.
 bool common_case(PyObject* obj, Call* call) {
-  PyObject* tp_group = PyObject_GetAttrString(obj, "tp_group");
+  PyObject* tp_group = get_attr(obj, "tp_group");
   if (tp_group == nullptr) return false;
   Py_DECREF(tp_group);
   if (tp_group != Py_None || read_flag(obj, "inplace_backward") != 0) return false;
-  PyObject* config = PyObject_GetAttrString(obj, "config");
+  PyObject* config = get_attr(obj, "config");
   if (config == nullptr) return false;
   call->config = read_config(config);
   Py_DECREF(config);  // read_config holds its own reference
@@ -437,7 +474,7 @@ bool common_case(PyObject* obj, Call* call) {
     call->offsets_kind = 0;
     call->samples = 1;
   }
-  PyObject* temperature = PyObject_GetAttrString(obj, "temperature");
+  PyObject* temperature = get_attr(obj, "temperature");
   if (temperature == nullptr) return false;
   const bool is_float = PyFloat_CheckExact(temperature);
   call->temperature = is_float ? PyFloat_AS_DOUBLE(temperature) : 0.0;
@@ -529,6 +566,7 @@ struct GrpoLossBackward : public torch::autograd::Node {
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    PhaseClock clock;
     at::Tensor logits = logits_.unpack();  // raises if released (a second backward) or modified in place
     at::Tensor ids = ids_.unpack();
     const int64_t t = logits.size(0), v = logits.size(1);
@@ -556,6 +594,7 @@ struct GrpoLossBackward : public torch::autograd::Node {
     };
     const int64_t programs = std::min(t, dlogits_.programs);
     launch_triton("dlogits", dlogits_, static_cast<unsigned>(programs), current_stream(device_), args, 14);
+    clock.mark(kBackward);
     return {grad};
   }
 
@@ -600,6 +639,7 @@ Ptr make_node() {
 // ---------------------------------------------------------------- forward
 
 PyObject* forward(PyObject*, PyObject* call_obj) {
+  PhaseClock clock;
   Call call;
   if (dlogits_kernels.empty() || !common_case(call_obj, &call) || !no_python_modes()) {
     PyErr_Clear();  // an attribute or conversion that failed is just "not the common case"
@@ -627,7 +667,12 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
     const Config& cfg = *call.config;
     const int64_t t = call.t, v = call.v;
     const at::TensorOptions f32 = logits.options().dtype(at::kFloat);
+    clock.mark(kChecks);
     at::Tensor per_token = at::empty({8, t}, f32);
+    at::Tensor unit_grad = at::empty({t, v}, logits.options());
+    at::Tensor metrics = at::empty({4}, f32);
+    at::Tensor loss = at::empty({}, f32);
+    clock.mark(kAlloc);
     char* rows = static_cast<char*>(per_token.data_ptr());
     char* weights_ptr = rows + 7 * 4 * t;
     const uint64_t err = word->second;
@@ -637,7 +682,7 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
                           Arg::kept(call.call_id)};
       launch_triton("token weights", weights->second, static_cast<unsigned>(call.samples), stream, args, 7);
     }
-    at::Tensor unit_grad = at::empty({t, v}, logits.options());
+    clock.mark(kWeights);
     {
       const OneReadKernel& k = one_read->second;
       const bool has_ref = call.ref_logp != nullptr;
@@ -672,13 +717,13 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
       launch_or_throw("one-read", k.function, static_cast<unsigned>(t * k.cluster), k.threads, k.shared, stream,
                       params);
     }
-    at::Tensor metrics = at::empty({4}, f32);
-    at::Tensor loss = at::empty({}, f32);
+    clock.mark(kOneRead);
     {
       const Arg args[] = {Arg::ptr(rows), Arg::ptr(weights_ptr), Arg::ptr(metrics.data_ptr()),
                           Arg::ptr(loss.data_ptr()), Arg::integer(t), Arg::f32(cfg.kl_coef)};
       launch_triton("weighted sums", sums->second, 1, stream, args, 6);
     }
+    clock.mark(kSums);
     auto node = make_node<NodePtr, GrpoLossBackward>();
     auto* grpo = static_cast<GrpoLossBackward*>(node.get());
     grpo->set_next_edges(torch::autograd::collect_next_edges(logits));
@@ -692,6 +737,7 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
     grpo->device_ = call.device;
     grpo->context_ = context->second;
     torch::autograd::create_gradient_edge(loss, std::move(node));
+    clock.mark(kNode);
     std::vector<at::Tensor> parts = at::unbind(metrics, 0);
     PyObject* dict = PyDict_New();
     if (dict == nullptr) return nullptr;
@@ -712,6 +758,7 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
     PyTuple_SET_ITEM(out, 0, THPVariable_Wrap(std::move(loss)));
     PyTuple_SET_ITEM(out, 1, dict);
     served_calls.fetch_add(1, std::memory_order_relaxed);
+    clock.mark(kOutputs);
     return out;
   } catch (const std::exception& exc) {  // an allocation that failed (out of memory), a launch, ...
     PyErr_SetString(PyExc_RuntimeError, exc.what());
@@ -915,6 +962,25 @@ PyObject* clear(PyObject*, PyObject*) {
 
 PyObject* served(PyObject*, PyObject*) { return PyLong_FromLongLong(served_calls.load()); }
 
+PyObject* phases(PyObject*, PyObject* on) {
+  const int enable = PyObject_IsTrue(on);
+  if (enable < 0) return nullptr;
+  PyObject* out = PyDict_New();
+  if (out == nullptr) return nullptr;
+  for (int i = 0; i < kPhases; ++i) {
+    const int64_t calls = phase_calls[i].exchange(0), ns = phase_ns[i].exchange(0);
+    PyObject* value = PyFloat_FromDouble(calls ? static_cast<double>(ns) / calls / 1000.0 : 0.0);
+    if (value == nullptr || PyDict_SetItemString(out, phase_names[i], value) != 0) {
+      Py_XDECREF(value);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(value);
+  }
+  timing.store(enable != 0);
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"forward", forward, METH_O, "forward(call) -> (loss, metrics) | None (not the common case, or not registered)"},
     {"register_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_forward)), METH_FASTCALL,
@@ -927,6 +993,7 @@ PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "configure(metric_names, second_backward)"},
     {"clear", clear, METH_NOARGS, "forget every registered kernel"},
     {"served", served, METH_NOARGS, "calls the host path has served in this process"},
+    {"phases", phases, METH_O, "phases(on) -> {phase: mean us per call since the last phases() call}; on: keep timing"},
     {nullptr, nullptr, 0, nullptr},
 };
 
