@@ -27,29 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ["VIME_RL_KERNEL"] = "1"
 
+from bench_grpo_loss import CONFIG, _inputs  # the benchmark's inputs and loss
 from rlk_bench import host_overhead_blocks_us
 
 import kernels
-from kernels import LossConfig, dispatch
+from kernels import dispatch
 from kernels.contracts import GrpoLossCall
 from kernels.ops import grpo_loss as grpo_loss_op
-
-CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type="low_var_kl")
-
-
-def _inputs(num_tokens: int, vocab: int):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    logits = torch.randn(num_tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    ids = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
-    base = -torch.rand(num_tokens, device="cuda", generator=gen) * 5
-    kw = {
-        "old_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
-        "ref_logp": base + 0.1 * torch.randn(num_tokens, device="cuda", generator=gen),
-        "advantages": torch.randn(num_tokens, device="cuda", generator=gen),
-        "loss_mask": torch.rand(num_tokens, device="cuda", generator=gen) > 0.1,
-        "lengths": torch.full((1,), num_tokens, device="cuda"),
-    }
-    return logits, ids, kw
 
 
 def _lowest(fn, calls: int, blocks: int) -> float:
@@ -81,7 +65,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4, help="rounds in which the paths take turns")
     args = parser.parse_args()
     calls, blocks = args.calls, args.blocks
-    logits, ids, kw = _inputs(64, 151936)
+    logits, ids, kw = _inputs(64, 151936, torch.bfloat16)
+    logits.requires_grad_()
 
     def forward():
         return kernels.grpo_loss(logits, ids, config=CONFIG, **kw)[0]

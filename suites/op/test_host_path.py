@@ -31,13 +31,13 @@ from kernels.ops import ratio_kl as ratio_kl_op
 from kernels.ops.host import HostModule, build
 
 
-def _host_module_or_skip():
+def _host_module_or_skip(host: HostModule = ratio_kl_op._HOST):
     if build.find_cxx() is None:
         pytest.skip("no C++ compiler here (g++, $CXX or $RLK_CXX): the host path cannot be built")
     if not build.torch_headers_present():
         pytest.skip(f"torch's C++ headers are not installed under {build._torch_paths()[0]}")
-    module = ratio_kl_op._HOST.load()
-    assert module is not None, ratio_kl_op._HOST.disabled_reason()
+    module = host.load()
+    assert module is not None, host.disabled_reason()
     return module
 
 
@@ -195,6 +195,15 @@ def test_host_path_declines_the_rest_and_the_python_path_explains(monkeypatch):
     assert bool(torch.isfinite(grad).all())
 
 
+def _replays_to(graph, captured, want):
+    """The captured outputs, poisoned, hold ``want`` again after one replay of ``graph``."""
+    for x in captured:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+
+
 @pytest.mark.gpu
 def test_host_path_launches_are_recorded_by_cuda_graph_capture():
     _require_host_path()
@@ -209,23 +218,13 @@ def test_host_path_launches_are_recorded_by_cuda_graph_capture():
             with torch.cuda.graph(graph, stream=stream):
                 captured = ratio_kl_op.ratio_kl(logp, old, ref, mask)
         torch.cuda.current_stream().wait_stream(stream)
-        for x in captured:
-            x.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+        _replays_to(graph, captured, want)
 
 
 # ---------------------------------------------------------------- grpo_loss's one-read host path
 
 def _grpo_module_or_skip():
-    if build.find_cxx() is None:
-        pytest.skip("no C++ compiler here (g++, $CXX or $RLK_CXX): the host path cannot be built")
-    if not build.torch_headers_present():
-        pytest.skip(f"torch's C++ headers are not installed under {build._torch_paths()[0]}")
-    module = grpo_loss_op._HOST.load()
-    assert module is not None, grpo_loss_op._HOST.disabled_reason()
-    return module
+    return _host_module_or_skip(grpo_loss_op._HOST)
 
 
 def _cpu_grpo_call(**kw):
@@ -490,8 +489,4 @@ def test_grpo_host_path_is_recorded_by_cuda_graph_capture(monkeypatch):
             captured = step()
         assert _grpo_served() == before + 1
     torch.cuda.current_stream().wait_stream(stream)
-    for x in captured:
-        x.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+    _replays_to(graph, captured, want)

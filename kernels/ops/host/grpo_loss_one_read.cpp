@@ -49,7 +49,6 @@
 
 #include <Python.h>
 
-#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/unbind.h>
@@ -57,8 +56,6 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <dlfcn.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -75,22 +72,12 @@
 #include <unordered_map>
 #include <utility>
 
+#include "host_common.h"
+
 namespace {
 
-using CUresult = int;
-using CUfunction = void*;
-using CUstream = void*;
-using CUcontext = void*;
-using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                                    unsigned, CUstream, void**, void**);
-using CtxGetCurrentFn = CUresult (*)(CUcontext*);
-using CtxSetCurrentFn = CUresult (*)(CUcontext);
+using namespace host_common;
 
-LaunchKernelFn cu_launch_kernel = nullptr;
-CtxGetCurrentFn cu_ctx_get_current = nullptr;
-CtxSetCurrentFn cu_ctx_set_current = nullptr;
-
-constexpr int64_t kInt32Max = 2147483647;
 constexpr int kMaxParams = 32;
 
 // ---------------------------------------------------------------- kernels and their launch
@@ -199,17 +186,6 @@ void launch_triton(const char* what, const TritonKernel& kernel, unsigned grid, 
   launch_or_throw(what, kernel.function, grid, kernel.threads, kernel.shared, stream, packed.params);
 }
 
-bool resolve_driver() {
-  if (cu_launch_kernel != nullptr) return true;
-  // PyTorch loaded the driver when it initialized CUDA: take its entry points, load nothing
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (lib == nullptr) return false;
-  cu_ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(dlsym(lib, "cuCtxGetCurrent"));
-  cu_ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(lib, "cuCtxSetCurrent"));
-  cu_launch_kernel = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
-  return cu_launch_kernel != nullptr && cu_ctx_get_current != nullptr && cu_ctx_set_current != nullptr;
-}
-
 void* current_stream(c10::DeviceIndex device) {
   const c10::Device cuda(c10::DeviceType::CUDA, device);
   return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle();
@@ -245,22 +221,6 @@ struct PhaseClock {
     last = now;
   }
 };
-
-// 0..4 for fp32, bf16, fp16, fp64, bool; 5 int64, 6 int32; -1 otherwise
-int dtype_code(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return 0;
-    case at::kBFloat16: return 1;
-    case at::kHalf: return 2;
-    case at::kDouble: return 3;
-    case at::kBool: return 4;
-    case at::kLong: return 5;
-    case at::kInt: return 6;
-    default: return -1;
-  }
-}
-
-bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The bits Triton specializes an int on: == 1, % 16 == 0, and (for the width) whether it fits int32.
 uint64_t int_bits(int64_t v) {
@@ -409,10 +369,6 @@ bool token_vector(const at::Tensor* t, int64_t n, int device, bool fp32_only) {
     return false;
   }
   return !fp32_only || t->scalar_type() == at::kFloat;
-}
-
-bool no_python_modes() {
-  return !at::impl::torch_function_mode_enabled() && c10::impl::TorchDispatchModeTLS::stack_len() == 0;
 }
 
 // Whether `obj` (a GrpoLossCall) is a common-case call (see the contract above); fills `call` if so.
@@ -814,10 +770,7 @@ bool remember_context(int device) {
 }
 
 PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) {
-    PyErr_Format(PyExc_TypeError, "register_forward takes 5 arguments, got %zd", nargs);
-    return nullptr;
-  }
+  if (!takes("register_forward", nargs, 5)) return nullptr;
   Call call;
   bool common;
   {
@@ -882,10 +835,7 @@ PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* register_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 7) {
-    PyErr_Format(PyExc_TypeError, "register_backward takes 7 arguments, got %zd", nargs);
-    return nullptr;
-  }
+  if (!takes("register_backward", nargs, 7)) return nullptr;
   for (int i = 0; i < 3; ++i) {
     if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
   }
