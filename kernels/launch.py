@@ -311,6 +311,13 @@ class CachedLaunch:
                function, cooperative, pdl, None, None, packed_metadata, None, None, None, *bound[1])
         return key, bound[1]
 
+    def launch_native(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> tuple[int, int, int, str] | None:
+        """``launch(grid, *args, **kwargs)``; returns :meth:`native_launch` of the kernel it ran
+        (None where it kept none: a normal launch, hooks, tracing, ...), for an op that registers
+        its kernels with a host path in C++ (kernels/ops/host/)."""
+        ran = self._launch(grid, args, kwargs)
+        return None if ran is None else self._native.get(ran[0])
+
     def direct(self, key: Hashable) -> Callable[..., None] | None:
         """The launch stored by ``launch_keyed`` under the op's ``key`` for the current device, if
         the fast path may run now (else None: call ``launch_keyed``). It is called as

@@ -37,6 +37,15 @@ no extra [T, V] memory, but the logits' values are destroyed — use it only whe
 the logits after the backward (the returned gradient aliases the logits storage; a second
 backward through the same graph raises).
 
+Host time: a launch-bound call (a few hundred tokens) is all host time. Once the Python path below
+has run a call's kernels (compiled, launched, keyed), later calls of the common case (one read,
+plain contiguous CUDA tensors, the usual dtypes; kernels/ops/host/grpo_loss_one_read.cpp says
+which) take the host path: one C++ call that checks, allocates and launches the forward's three
+kernels and attaches a C++ autograd node whose backward launches the dlogits kernel, so neither
+``grpo_loss(...)`` nor its ``.backward()`` enters Python past the contract and dispatch. Anything
+else runs the Python path, the only one that decides and explains; :func:`host_path` says which
+path serves calls now.
+
 Composed path (GSPO, whose ratio needs the whole sample's logp first, and vocab-parallel TP):
 the Triton ``logp`` op (kernels/ops/logp.py) followed by the reference loss math on [T] tensors;
 its backward is the logp backward kernel. Same values, one more read of the logits.
@@ -51,11 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import device_errors
+from kernels import device_errors, launch
 from kernels.contracts import METRIC_NAMES, GrpoLossCall, entry_point
 from kernels.contracts.grpo_loss import to_device
-from kernels.launch import CachedLaunch
+from kernels.launch import CachedLaunch, LaunchKeyError
 from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
+from kernels.ops.host import HostModule
 from kernels.ops.logp import (
     LogpFunction,
     row_max_sumexp,
@@ -294,6 +304,8 @@ _GRPO_LOSS = CachedLaunch(_grpo_loss_kernel)
 _TOKEN_WEIGHTS = CachedLaunch(_token_weights_kernel)
 _WEIGHTED_SUMS = CachedLaunch(_weighted_sums_kernel)
 _GRPO_DLOGITS = CachedLaunch(_grpo_dlogits_kernel)
+_HOST = HostModule("grpo_loss_one_read")
+_host_forward = None  # the host path's forward, once it holds a kernel (see _host_module)
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,6 +319,12 @@ def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, c
     """kernels.reference.reductions.token_weights in one launch (one program per sample), the
     packing checked on the device (a report under ``call_id``, kernels/device_errors.py);
     written into ``out`` (fp32 [T]) if given."""
+    return _token_weights(loss_mask, lengths, cu_seqlens, reduction, call_id, out)[0]
+
+
+def _token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                   reduction: str, call_id: int, out: torch.Tensor | None) -> tuple[torch.Tensor, tuple | None]:
+    """(:func:`fused_token_weights`, ``native_launch`` of the kernel it ran or None)."""
     num_tokens = loss_mask.shape[0]
     weights = torch.empty(num_tokens, dtype=torch.float32, device=loss_mask.device) if out is None else out
     word = device_errors.word_for(loss_mask.device)
@@ -316,9 +334,10 @@ def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, c
         offsets, kind, samples = to_device(cu_seqlens, loss_mask.device), 2, cu_seqlens.shape[0] - 1
     else:
         offsets, kind, samples = loss_mask, 0, 1  # no offsets read
-    _TOKEN_WEIGHTS.launch((samples,), loss_mask, offsets, weights, word.tensor, num_tokens, samples, call_id,
-                          OFFSETS=kind, PER_TOKEN=reduction != "sum_of_sample_mean", BLOCK=REDUCE_BLOCK)
-    return weights
+    native = _TOKEN_WEIGHTS.launch_native(
+        (samples,), loss_mask, offsets, weights, word.tensor, num_tokens, samples, call_id,
+        OFFSETS=kind, PER_TOKEN=reduction != "sum_of_sample_mean", BLOCK=REDUCE_BLOCK)
+    return weights, native
 
 
 def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
@@ -348,12 +367,14 @@ class GrpoLossFunction(torch.autograd.Function):
         # rows 0-6: the kernels' per-token terms (see _grpo_loss_kernel); row 7: the reduction weights
         per_token = torch.empty((8, num_tokens), dtype=torch.float32, device=logits.device)
         has_ref = ref_logp is not None
-        weights = fused_token_weights(loss_mask, lengths, cu_seqlens, config.reduction, call_id, out=per_token[7])
+        weights, weights_native = _token_weights(loss_mask, lengths, cu_seqlens, config.reduction, call_id,
+                                                 per_token[7])
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
+        one_read = None
         if isinstance(plan, one_read_kernel.OneReadPlan):
             # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
             unit_grad = torch.empty((num_tokens, vocab), dtype=logits.dtype, device=logits.device)
-            one_read_kernel.launch(
+            one_read = one_read_kernel.launch(
                 plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
                 ref_logp, advantages, rollout_logp, weights, per_token, config, float(temperature),
                 ignore_index, kl_type_code(config.kl_type), device_errors.word_for(logits.device).ptr, call_id,
@@ -374,15 +395,18 @@ class GrpoLossFunction(torch.autograd.Function):
         # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss, and the loss, in one launch
         metrics = torch.empty(4, dtype=torch.float32, device=logits.device)
         loss = torch.empty((), dtype=torch.float32, device=logits.device)
-        _WEIGHTED_SUMS.launch(
+        sums_native = _WEIGHTED_SUMS.launch_native(
             (1,), per_token, weights, metrics, loss, num_tokens, float(config.kl_loss_coef),
             HAS_KL=config.kl_loss_coef != 0.0, BLOCK=SUMS_BLOCK, num_warps=SUMS_WARPS,
         )
+        if one_read is not None and weights_native is not None and sums_native is not None:
+            _register_forward(call, weights_native, plan, one_read, sums_native)
         ctx.unit_grad = unit_grad
         ctx.row_stats = per_token[4:7]
         ctx.weights = weights
         ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
         ctx.backward_done = False
+        ctx.host_path = one_read is not None  # a common case registers its backward kernel too
         # saving the logits costs no memory (the caller's graph holds them); the backward reads them once
         ctx.save_for_backward(logits, ids)
         ctx.mark_non_differentiable(metrics)
@@ -395,27 +419,99 @@ class GrpoLossFunction(torch.autograd.Function):
                                "overwritten by the first one")
         ctx.backward_done = True
         logits, ids = ctx.saved_tensors
-        coef, row_max, sumexp = ctx.row_stats
         unit_grad, ctx.unit_grad = ctx.unit_grad, None  # handed out once: autograd may keep it as .grad
-        if unit_grad is not None:
-            grad = unit_grad  # the forward wrote it for grad_output 1: rewritten only if that is not 1
-        elif ctx.inplace:
-            grad = logits.detach()
-        else:
-            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        num_tokens, vocab = logits.shape
-        block, warps = vocab_block(vocab, logits.dtype)
-        programs = num_tokens if unit_grad is None else min(num_tokens, _one_wave(logits.device, warps))
-        _GRPO_DLOGITS.launch(
-            (programs,), logits, grad, ids, ctx.weights, coef, grad_loss.reshape(1), row_max, sumexp,
-            logits.stride(0), grad.stride(0), vocab, ctx.ignore_index, float(ctx.temperature), num_tokens,
-            BLOCK_V=block, SCALE=ctx.temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
-        )
+        grad_output = grad_loss.reshape(1)
+        grad, native, programs = _dlogits(logits, ids, ctx.weights, ctx.row_stats, grad_output, unit_grad,
+                                          ctx.temperature, ctx.ignore_index, ctx.inplace)
+        if unit_grad is not None and ctx.host_path and native is not None:
+            _register_backward(logits, ids, grad_output, ctx.temperature, ctx.ignore_index, native, programs)
         return grad, None
 
 
+def _dlogits(logits, ids, weights, row_stats, grad_output, unit_grad, temperature, ignore_index, inplace):
+    """The backward's dlogits: ``unit_grad`` (the one-read forward's, for grad_output 1) rewritten
+    only where grad_output is not 1, else fresh rows (the logits' buffer when ``inplace``).
+    Returns (dlogits, the kernel's native_launch or None, the grid's cap for ``unit_grad``: one wave)."""
+    coef, row_max, sumexp = row_stats
+    if unit_grad is not None:
+        grad = unit_grad  # the forward wrote it for grad_output 1: rewritten only if that is not 1
+    elif inplace:
+        grad = logits.detach()
+    else:
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    num_tokens, vocab = logits.shape
+    block, warps = vocab_block(vocab, logits.dtype)
+    wave = 0 if unit_grad is None else _one_wave(logits.device, warps)
+    programs = num_tokens if unit_grad is None else min(num_tokens, wave)
+    native = _GRPO_DLOGITS.launch_native(
+        (programs,), logits, grad, ids, weights, coef, grad_output, row_max, sumexp,
+        logits.stride(0), grad.stride(0), vocab, ignore_index, float(temperature), num_tokens,
+        BLOCK_V=block, SCALE=temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
+    )
+    return grad, native, wave
+
+
+def _second_backward(logits, ids, weights, row_stats, grad_loss, temperature, ignore_index):
+    """The host path's backward after the first through a retained graph (its node calls this): the
+    forward's dlogits were handed out, so fresh rows are written, as GrpoLossFunction's backward does."""
+    return _dlogits(logits, ids, weights, row_stats, grad_loss.reshape(1), None, temperature, ignore_index,
+                    False)[0]
+
+
+def _host_module():
+    """The host path's module when the fast path may run now and it can be built (else None); the
+    first time, it learns the metrics' names and the second backward's function."""
+    if launch.fast_path_now() is None:
+        return None
+    module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
+    if module is not None and _host_forward is None:
+        module.configure(METRIC_NAMES, _second_backward)
+    return module
+
+
+def _registered(stored, what: str) -> None:
+    global _host_forward
+    if stored is False:
+        raise LaunchKeyError(f"grpo_loss host path: its key for this call's {what} holds another compiled kernel")
+    if stored and _host_forward is None:
+        _host_forward = _HOST.load().forward
+
+
+def _register_forward(call, weights_native, plan, one_read, sums_native) -> None:
+    """Give the host path the forward kernels this call just launched (each under its own key, which
+    must tell apart what Triton specializes: LaunchKeyError if one maps two kernels onto one key)."""
+    module = _host_module()
+    if module is not None:
+        word = device_errors.word_for(call.logits.device).ptr
+        one_read_native = (one_read.handle.value, plan.cluster, plan.slice, one_read_kernel.THREADS,
+                           plan.shared_bytes)
+        _registered(module.register_forward(call, weights_native, one_read_native, sums_native, word),
+                    "forward kernels")
+
+
+def _register_backward(logits, ids, grad_output, temperature, ignore_index, native, programs) -> None:
+    module = _host_module()
+    if module is not None:
+        _registered(module.register_backward(logits, ids, grad_output, float(temperature), ignore_index, native,
+                                             programs), "dlogits kernel")
+
+
+def host_path() -> str:
+    """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
+    ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
+    if _host_forward is not None:
+        return "c++"
+    return f"python ({_HOST.disabled_reason() or 'no kernel registered'})"
+
+
 def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """vime's GRPO loss on the fused paths above (composed for GSPO and vocab-parallel TP)."""
+    """vime's GRPO loss on the fused paths above (composed for GSPO and vocab-parallel TP); the host
+    path first."""
+    host_forward = _host_forward
+    if host_forward is not None and launch.fast_path_now() is not None and one_read_kernel.enabled():
+        out = host_forward(call)
+        if out is not None:
+            return out
     logits, num_tokens = call.logits, call.num_tokens
     if call.config.gspo or call.tp_group is not None:
         if call.deferred and (call.lengths is not None or call.cu_seqlens is not None):

@@ -18,6 +18,7 @@ import torch
 from rlk_bench import (
     OURS,
     dtype_bytes,
+    host_overhead_blocks_us,
     liger_available,
     measure,
     record_host_overhead,
@@ -27,6 +28,7 @@ from rlk_compiled import measure_compiled
 
 import kernels
 from kernels import LossConfig, grpo_loss
+from kernels.ops import grpo_loss as grpo_loss_op
 from kernels.reference import grpo_loss as reference_grpo_loss
 
 # the public API as a user calls it: VIME_RL_KERNEL=1, every other setting at its default
@@ -127,8 +129,11 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
 
 @pytest.mark.parametrize("num_tokens", [64, 256])
 def test_bench_grpo_loss_small_launch_bound(rlk_metrics, num_tokens):
-    """Launch-bound shapes: host time per fwd+bwd call (goal < 60 us, every check on the device)
-    and the wall time of the plain call (gated)."""
+    """Launch-bound shapes: host time per fwd+bwd call (goal < 60 us, every check on the device;
+    tagged with the path that served it, kernels/ops/grpo_loss.py's ``host_path``) and the wall
+    time of the plain call (gated). Beside it, labelled and never gated, the floor in the same
+    process: ``autograd_floor_host_us``, a trivial ``torch.autograd.grad((x * 2).sum(), x)``, so
+    the record says how much of the call is autograd's own machinery."""
     logits, ids, kw = _inputs(num_tokens, 151936, torch.bfloat16)
     logits.requires_grad_()
     tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
@@ -138,4 +143,8 @@ def test_bench_grpo_loss_small_launch_bound(rlk_metrics, num_tokens):
         return torch.autograd.grad(loss, logits)
 
     measure(rlk_metrics, OURS, ours, 2 * num_tokens * 151936 * 2, tags, memory=False, graph=True)
-    record_host_overhead(rlk_metrics, ours, tags)
+    record_host_overhead(rlk_metrics, ours, {**tags, "host_path": grpo_loss_op.host_path()})
+    x = torch.zeros(num_tokens, device="cuda", requires_grad=True)
+    floor = host_overhead_blocks_us(lambda: torch.autograd.grad((x * 2).sum(), x))
+    rlk_metrics.record("autograd_floor_host_us", min(floor), unit="us", direction="lower_is_better", space="time",
+                       tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in floor)}, gate=False)

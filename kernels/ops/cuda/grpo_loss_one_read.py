@@ -137,8 +137,9 @@ def launch(
     ref_logp: torch.Tensor | None, advantages: torch.Tensor, rollout_logp: torch.Tensor | None,
     weights: torch.Tensor, per_token: torch.Tensor, config, temperature: float, ignore_index: int, kl_code: int,
     error_word: int, call_id: int,
-) -> None:
-    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1.
+) -> build.CudaKernel:
+    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1;
+    returns the kernel it launched (a host path registers its handle).
 
     ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits.
     A row whose id is outside [0, V) and not ignore_index gets NaN terms and dlogits, and a report
@@ -158,3 +159,4 @@ def launch(
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
+    return kernel

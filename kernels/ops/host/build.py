@@ -4,7 +4,8 @@ Why not ``torch.utils.cpp_extension.load``: it compiles ``torch/extension.h`` (p
 ATen's operators, a minute or more) and needs ninja. These modules include the few headers they
 use (``ATen/ops/empty_like.h``, ``torch/csrc/autograd/python_variable.h``) and define their
 functions with the CPython API, so one compiler run takes seconds. The result is cached by the hash
-of the source, the flags, the torch version and install path and the Python ABI.
+of the source and the headers beside it, the flags, the torch version and install path and the
+Python ABI.
 
 Compiler: ``$RLK_CXX``, else ``$CXX``, else ``g++`` or ``c++`` on ``PATH``.
 Cache: ``$RLK_CUDA_CACHE`` (default ``~/.cache/pytest-rlk/cuda``), shared with the CUDA kernels.
@@ -87,7 +88,9 @@ def extension_path(source: Path, flags: tuple[tuple[str, ...], tuple[str, ...]] 
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     compile_flags, link_flags = _flags() if flags is None else flags
     stamp = " ".join((*compile_flags, *link_flags, torch.__version__, sys.version)).encode()
-    digest = hashlib.sha256(source.read_bytes() + stamp).hexdigest()[:16]
+    # the headers beside the source (host_common.h) are part of every module
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + stamp).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{digest}{suffix}"
 
 

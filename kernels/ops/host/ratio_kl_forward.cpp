@@ -31,31 +31,20 @@
 
 #include <Python.h>
 
-#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <dlfcn.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <string>
 #include <unordered_map>
 
+#include "host_common.h"
+
 namespace {
 
-using CUresult = int;
-using CUfunction = void*;
-using CUstream = void*;
-using CUcontext = void*;
-using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                                    unsigned, CUstream, void**, void**);
-using CtxGetCurrentFn = CUresult (*)(CUcontext*);
+using namespace host_common;
 
-LaunchKernelFn cu_launch_kernel = nullptr;
-CtxGetCurrentFn cu_ctx_get_current = nullptr;
-
-constexpr int64_t kInt32Max = 2147483647;
 constexpr int kMaxParams = 7;  // the kernel's runtime parameters: 6 pointers and n
 
 struct Kernel {
@@ -68,25 +57,11 @@ struct Kernel {
 
 std::unordered_map<uint64_t, Kernel> kernels;
 
-// 0..3 for the floating dtypes a log-prob input has in the common case, 4 for bool, -1 otherwise
-int dtype_code(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return 0;
-    case at::kBFloat16: return 1;
-    case at::kHalf: return 2;
-    case at::kDouble: return 3;
-    case at::kBool: return 4;
-    default: return -1;
-  }
-}
-
 struct Call {
   const at::Tensor* tensors[4];
   int64_t n;
   uint64_t key;
 };
-
-bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // Whether args[0..7] are a common-case call (see the contract above); fills `call` if so.
 bool common_case(PyObject* const* args, Call* call) {
@@ -108,10 +83,10 @@ bool common_case(PyObject* const* args, Call* call) {
     const at::Tensor& t = *call->tensors[i];
     if (t.dim() != 1 || t.size(0) != n || !t.is_cuda() || t.get_device() != device || !t.is_contiguous()) return false;
     const int code = dtype_code(t.scalar_type());
-    if (code < 0 || (code == 4 && i != 3)) return false;
+    if (code < 0 || code > 4 || (code == 4 && i != 3)) return false;  // floating, or a bool mask
     key = key << 3 | static_cast<uint64_t>(code);
   }
-  for (int i = 0; i < 4; ++i) key = key << 1 | (aligned(*call->tensors[i]) ? 1u : 0u);
+  for (int i = 0; i < 4; ++i) key = key << 1 | (aligned(call->tensors[i]->data_ptr()) ? 1u : 0u);
   key = key << 1 | (n == 1 ? 1u : 0u);
   key = key << 1 | (n % 16 == 0 ? 1u : 0u);
   key = key << 2 | static_cast<uint64_t>(kl_code);
@@ -121,25 +96,8 @@ bool common_case(PyObject* const* args, Call* call) {
   return true;
 }
 
-bool no_python_modes() {
-  return !at::impl::torch_function_mode_enabled() && c10::impl::TorchDispatchModeTLS::stack_len() == 0;
-}
-
-bool resolve_driver() {
-  if (cu_launch_kernel != nullptr) return true;
-  // PyTorch loaded the driver when it initialized CUDA: take its entry points, load nothing
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (lib == nullptr) return false;
-  cu_launch_kernel = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
-  cu_ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(dlsym(lib, "cuCtxGetCurrent"));
-  return cu_launch_kernel != nullptr && cu_ctx_get_current != nullptr;
-}
-
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8) {
-    PyErr_Format(PyExc_TypeError, "forward takes 8 arguments, got %zd", nargs);
-    return nullptr;
-  }
+  if (!takes("forward", nargs, 8)) return nullptr;
   Call call;
   if (kernels.empty() || !common_case(args, &call)) {
     PyErr_Clear();  // an int conversion that failed is just "not the common case"
@@ -188,10 +146,7 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* register_kernel(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 12) {
-    PyErr_Format(PyExc_TypeError, "register takes 12 arguments, got %zd", nargs);
-    return nullptr;
-  }
+  if (!takes("register", nargs, 12)) return nullptr;
   Call call;
   if (!common_case(args, &call)) {
     if (PyErr_Occurred()) PyErr_Clear();

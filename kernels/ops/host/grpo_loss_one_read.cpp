@@ -1,0 +1,954 @@
+// grpo_loss's one-read forward and its backward on the host fast path: one C++ call that accepts the
+// common case, allocates the outputs, launches the forward's three kernels and attaches a C++
+// autograd node whose backward launches the dlogits kernel. Neither the forward nor the backward
+// enters Python.
+//
+// Why: a launch-bound grpo_loss forward+backward is all host time, and most of it is Python:
+// autograd.Function's apply and its backward (each a Python frame the engine calls), three Triton
+// launches, a ctypes launch, five allocations. Here the checks are field reads, every launch is one
+// cuLaunchKernel, and the backward is a torch::autograd::Node (the engine calls it without the GIL).
+//
+// The contract with kernels/ops/grpo_loss.py (which builds this file with kernels/ops/host/build.py):
+// * forward(call) returns (loss, {pg_loss, pg_clipfrac, ppo_kl, kl_loss}) as the Python path does,
+//   or None when the call is not the common case or a kernel it needs is not registered yet. It
+//   never raises for bad input: the Python path runs then, and its checks name the problem. The
+//   common case (beyond what the contract, GrpoLossCall, has checked): no tp_group, no GSPO, no
+//   inplace_backward; logits a plain tensor [T, V] (T, V < 2**31) fp32|bf16|fp16, contiguous,
+//   16-byte aligned, on the current CUDA device, needing a gradient (grad mode on); target_ids
+//   int64 contiguous; old_logp, advantages (and ref_logp, rollout_logp where used) fp32
+//   contiguous; loss_mask contiguous bool|fp32|bf16|fp16|fp64; lengths / cu_seqlens absent or
+//   int64|int32 contiguous on the same device; no torch function or dispatch mode active; the
+//   current CUDA context the one the kernels were registered in.
+// * register_forward(call, weights, one_read, sums) stores the kernels the Python path just
+//   launched for this call: weights and sums as kernels.launch.CachedLaunch.native_launch's tuple
+//   (CUfunction handle, threads per block, dynamic shared memory, parameter letters), one_read as
+//   (CUfunction handle of kernels/ops/cuda/grpo_loss_one_read.cu's kernel, cluster size, slice
+//   columns, threads, dynamic shared memory). register_backward(logits, ids, grad_output,
+//   temperature, ignore_index, dlogits, programs) stores the backward's UNLESS_UNIT dlogits kernel
+//   (``programs``: the grid's cap, one wave). Each kernel is kept under a key of its own that holds
+//   everything Triton specializes it on (see the *_key functions); a register call returns None
+//   (storing nothing) where the call is not the common case, False where a key already holds
+//   another kernel (the key would be too coarse: Python raises LaunchKeyError), else True.
+// * configure(metric_names, second_backward): the metrics' dict keys, and the Python function a
+//   second backward through a retained graph calls (the forward's dlogits were handed out by the
+//   first one: that backward writes fresh rows, as GrpoLossFunction.backward does). clear() forgets
+//   every registered kernel; served() counts the calls forward served (for tests and tags).
+// * phases(on) switches on (or off) a clock around each phase of forward and of the node's apply and
+//   returns what was measured since the last call, as {phase: mean us per call} (for the host-time
+//   probe, suites/op/probe_grpo_loss_host.py; off, it costs one branch per phase).
+//
+// Semantics kept from GrpoLossFunction: logits and ids saved as SavedVariables (saved-tensor hooks,
+// the version-counter check, "backward through the graph a second time" after release); dlogits
+// handed out once; grad_output read on the device (rows rewritten only if it is not exactly 1);
+// metrics not differentiable; the forward's launches on the current stream, the backward's on the
+// stream the engine makes current (the forward's), so CUDA-graph capture records both.
+//
+// Triton 3.6's launcher passes a kernel's runtime parameters in signature order, an int equal to 1
+// left out (a constexpr to Triton) unless do_not_specialize names it, then the global and profile
+// scratch pointers (null: kernels that need scratch are never registered).
+
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/unbind.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+
+#include "host_common.h"
+
+namespace {
+
+using namespace host_common;
+
+constexpr int kMaxParams = 32;
+
+// ---------------------------------------------------------------- kernels and their launch
+
+struct TritonKernel {
+  uint64_t function = 0;
+  unsigned threads = 0;
+  unsigned shared = 0;
+  std::string params;  // one letter per parameter Triton's launcher passes: P pointer, i int32, l int64, f fp32
+  int64_t programs = 0;  // dlogits: the grid's cap (one wave of programs)
+};
+
+struct OneReadKernel {
+  uint64_t function = 0;
+  int64_t cluster = 0;
+  int64_t slice = 0;
+  unsigned threads = 0;
+  unsigned shared = 0;
+};
+
+// A kernel argument as Triton sees it: a pointer, an int it specializes on (left out when it is 1),
+// an int it does not (do_not_specialize), an fp32.
+struct Arg {
+  enum Kind { kPtr, kInt, kIntKept, kF32 } kind;
+  int64_t i;
+  double f;
+  static Arg ptr(const void* p) { return {kPtr, static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)), 0.0}; }
+  static Arg ptr(uint64_t p) { return {kPtr, static_cast<int64_t>(p), 0.0}; }
+  static Arg integer(int64_t v) { return {kInt, v, 0.0}; }
+  static Arg kept(int64_t v) { return {kIntKept, v, 0.0}; }
+  static Arg f32(double v) { return {kF32, 0, v}; }
+};
+
+// The parameter buffer of one launch: values and the pointers cuLaunchKernel reads.
+struct Packed {
+  union Slot {
+    uint64_t u64;
+    int64_t i64;
+    int32_t i32;
+    float f32;
+  } slots[kMaxParams];
+  void* params[kMaxParams + 2];
+  uint64_t scratch = 0;
+  int count = 0;
+};
+
+// Fills `out` from `args` as Triton's launcher would with these parameter letters; false if the
+// letters do not fit the arguments (a kernel registered for another specialization).
+bool pack(const std::string& letters, const Arg* args, int nargs, Packed* out) {
+  size_t j = 0;
+  int count = 0;
+  for (int a = 0; a < nargs; ++a) {
+    const Arg& arg = args[a];
+    if (arg.kind == Arg::kInt && arg.i == 1) continue;  // a constexpr to Triton: not passed
+    if (j >= letters.size() || count >= kMaxParams) return false;
+    const char letter = letters[j++];
+    Packed::Slot& slot = out->slots[count];
+    switch (arg.kind) {
+      case Arg::kPtr:
+        if (letter != 'P') return false;
+        slot.u64 = static_cast<uint64_t>(arg.i);
+        break;
+      case Arg::kInt:
+      case Arg::kIntKept:
+        if (letter == 'i') {
+          if (arg.i < -kInt32Max - 1 || arg.i > kInt32Max) return false;
+          slot.i32 = static_cast<int32_t>(arg.i);
+        } else if (letter == 'l') {
+          slot.i64 = arg.i;
+        } else {
+          return false;
+        }
+        break;
+      case Arg::kF32:
+        if (letter != 'f') return false;
+        slot.f32 = static_cast<float>(arg.f);
+        break;
+    }
+    out->params[count] = &slot;
+    ++count;
+  }
+  if (j != letters.size()) return false;
+  out->params[count++] = &out->scratch;  // global scratch
+  out->params[count++] = &out->scratch;  // profile scratch
+  out->count = count;
+  return true;
+}
+
+void launch_or_throw(const char* what, uint64_t function, unsigned grid, unsigned threads, unsigned shared,
+                     void* stream, void** params) {
+  const CUresult result = cu_launch_kernel(reinterpret_cast<CUfunction>(function), grid, 1, 1, threads, 1, 1,
+                                           shared, reinterpret_cast<CUstream>(stream), params, nullptr);
+  if (result != 0) {
+    throw std::runtime_error(std::string("grpo_loss host path: cuLaunchKernel(") + what + ") failed with CUresult " +
+                             std::to_string(result) + " (grid " + std::to_string(grid) + ")");
+  }
+}
+
+void launch_triton(const char* what, const TritonKernel& kernel, unsigned grid, void* stream, const Arg* args,
+                   int nargs) {
+  Packed packed;
+  if (!pack(kernel.params, args, nargs, &packed)) {
+    throw std::runtime_error(std::string("grpo_loss host path: the registered ") + what +
+                             " kernel's parameters " + kernel.params + " do not fit this call");
+  }
+  launch_or_throw(what, kernel.function, grid, kernel.threads, kernel.shared, stream, packed.params);
+}
+
+void* current_stream(c10::DeviceIndex device) {
+  const c10::Device cuda(c10::DeviceType::CUDA, device);
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle();
+}
+
+// ---------------------------------------------------------------- registries
+
+std::unordered_map<uint64_t, TritonKernel> weights_kernels, sums_kernels, dlogits_kernels;
+std::unordered_map<uint64_t, OneReadKernel> one_read_kernels;
+std::unordered_map<int, uint64_t> contexts;        // device -> the CUDA context the kernels were loaded in
+std::unordered_map<int, uint64_t> error_words;     // device -> its error word (kernels/device_errors.py)
+PyObject* metric_names[4] = {nullptr, nullptr, nullptr, nullptr};
+PyObject* second_backward = nullptr;
+std::atomic<int64_t> served_calls{0};
+
+// The phases(on) clock: ns per phase summed over the calls since the last phases() call.
+enum Phase { kChecks, kAlloc, kWeights, kOneRead, kSums, kNode, kOutputs, kBackward, kPhases };
+const char* const phase_names[kPhases] = {"checks", "allocations", "token_weights_launch", "one_read_launch",
+                                          "weighted_sums_launch", "autograd_node", "outputs", "backward_apply"};
+std::atomic<bool> timing{false};
+std::atomic<int64_t> phase_ns[kPhases];
+std::atomic<int64_t> phase_calls[kPhases];
+
+struct PhaseClock {
+  bool on = timing.load(std::memory_order_relaxed);
+  std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  void mark(Phase phase) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_ns[phase].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
+                              std::memory_order_relaxed);
+    phase_calls[phase].fetch_add(1, std::memory_order_relaxed);
+    last = now;
+  }
+};
+
+// The bits Triton specializes an int on: == 1, % 16 == 0, and (for the width) whether it fits int32.
+uint64_t int_bits(int64_t v) {
+  return (v == 1 ? 4u : 0u) | (v % 16 == 0 ? 2u : 0u) | (v >= -kInt32Max - 1 && v <= kInt32Max ? 1u : 0u);
+}
+
+// per_token is a fresh [8, T] fp32 allocation (aligned): row r starts 4 r T bytes in, so rows 5 and 7
+// are 16-byte aligned iff T % 4 == 0, row 6 iff T % 2 == 0 (row 4 always).
+uint64_t rows_bits(int64_t t) { return (t % 4 == 0 ? 2u : 0u) | (t % 2 == 0 ? 1u : 0u); }
+
+// ---------------------------------------------------------------- the call's common case
+
+// obj.name, with the name interned once (a lookup per call, no string built).
+PyObject* get_attr(PyObject* obj, const char* name) {
+  static std::unordered_map<const char*, PyObject*> names;
+  auto found = names.find(name);
+  if (found == names.end()) {
+    PyObject* interned = PyUnicode_InternFromString(name);
+    if (interned == nullptr) return nullptr;
+    found = names.emplace(name, interned).first;
+  }
+  return PyObject_GetAttr(obj, found->second);
+}
+
+struct Config {
+  PyObject* object = nullptr;  // the LossConfig these values were read from (a reference is held)
+  double eps_low, eps_high, eps_c, kl_coef, tis_low, tis_high;
+  bool dual_clip, unbiased, tis, per_token, gspo;
+  int kl_code;
+};
+
+Config config_cache;
+
+bool read_double(PyObject* obj, const char* name, double* out) {
+  PyObject* value = get_attr(obj, name);
+  if (value == nullptr) return false;
+  const bool ok = PyFloat_Check(value) || PyLong_Check(value);
+  if (ok) *out = PyFloat_AsDouble(value);
+  Py_DECREF(value);
+  return ok && !PyErr_Occurred();
+}
+
+int read_flag(PyObject* obj, const char* name) {  // 1, 0, or -1 (not a bool)
+  PyObject* value = get_attr(obj, name);
+  if (value == nullptr) return -1;
+  const int out = value == Py_True ? 1 : value == Py_False ? 0 : -1;
+  Py_DECREF(value);
+  return out;
+}
+
+bool read_choice(PyObject* obj, const char* name, const char* const* choices, int n, int* out) {
+  PyObject* value = get_attr(obj, name);
+  if (value == nullptr) return false;
+  const char* text = PyUnicode_Check(value) ? PyUnicode_AsUTF8(value) : nullptr;
+  *out = -1;
+  for (int i = 0; text != nullptr && i < n; ++i) {
+    if (std::string(text) == choices[i]) *out = i;
+  }
+  Py_DECREF(value);
+  return *out >= 0;
+}
+
+// The LossConfig's values (frozen: read once per config object, kept with a reference to it).
+const Config* read_config(PyObject* obj) {
+  if (obj == config_cache.object) return &config_cache;
+  static const char* const kl_types[] = {"k1", "k2", "k3", "low_var_kl"};
+  static const char* const reductions[] = {"sum_of_sample_mean", "per_token_sum"};
+  Config c;
+  PyObject* eps_c = get_attr(obj, "eps_clip_c");
+  if (eps_c == nullptr) return nullptr;
+  c.dual_clip = eps_c != Py_None;
+  c.eps_c = 0.0;
+  if (c.dual_clip) {
+    if (PyFloat_Check(eps_c) || PyLong_Check(eps_c)) c.eps_c = PyFloat_AsDouble(eps_c);
+    else c.dual_clip = false, c.eps_c = -1.0;
+  }
+  Py_DECREF(eps_c);
+  if (c.eps_c < 0.0 || PyErr_Occurred()) return nullptr;
+  const int unbiased = read_flag(obj, "use_unbiased_kl"), tis = read_flag(obj, "use_tis"),
+            gspo = read_flag(obj, "gspo");
+  int reduction = -1;
+  if (!read_double(obj, "eps_clip", &c.eps_low) || !read_double(obj, "eps_clip_high", &c.eps_high) ||
+      !read_double(obj, "kl_loss_coef", &c.kl_coef) || !read_double(obj, "tis_clip_low", &c.tis_low) ||
+      !read_double(obj, "tis_clip_high", &c.tis_high) || unbiased < 0 || tis < 0 || gspo < 0 ||
+      !read_choice(obj, "kl_type", kl_types, 4, &c.kl_code) || !read_choice(obj, "reduction", reductions, 2, &reduction)) {
+    return nullptr;
+  }
+  c.unbiased = unbiased, c.tis = tis, c.gspo = gspo, c.per_token = reduction == 1;
+  Py_INCREF(obj);
+  Py_XDECREF(config_cache.object);
+  c.object = obj;
+  config_cache = c;
+  return &config_cache;
+}
+
+struct Call {
+  const at::Tensor* logits;
+  const at::Tensor* ids;
+  const at::Tensor* old_logp;
+  const at::Tensor* ref_logp;       // null: no reference (old_logp stands in)
+  const at::Tensor* advantages;
+  const at::Tensor* rollout_logp;   // null unless use_tis
+  const at::Tensor* loss_mask;
+  const at::Tensor* offsets;        // lengths, cu_seqlens or (kind 0) the mask
+  int offsets_kind;                 // 0 none, 1 lengths, 2 cu_seqlens
+  int64_t samples;
+  int64_t t, v;
+  int device;
+  double temperature;
+  int64_t ignore_index, call_id;
+  const Config* config;
+  // holds the attribute references the tensor pointers above point into
+  PyObject* held[9];
+  int nheld = 0;
+  ~Call() {
+    for (int i = 0; i < nheld; ++i) Py_DECREF(held[i]);
+  }
+};
+
+// The call's attribute `name` as a plain tensor (nullptr if it is None where `optional`), or false.
+bool tensor_attr(PyObject* call, const char* name, bool optional, Call* out, const at::Tensor** tensor) {
+  PyObject* value = get_attr(call, name);
+  if (value == nullptr) return false;
+  out->held[out->nheld++] = value;
+  if (value == Py_None) {
+    *tensor = nullptr;
+    return optional;
+  }
+  if (!THPVariable_CheckExact(value)) return false;
+  *tensor = &THPVariable_Unpack(value);
+  return true;
+}
+
+bool int_attr(PyObject* call, const char* name, int64_t* out) {
+  PyObject* value = get_attr(call, name);
+  if (value == nullptr) return false;
+  const bool ok = PyLong_CheckExact(value);
+  if (ok) *out = PyLong_AsLongLong(value);
+  Py_DECREF(value);
+  return ok && !PyErr_Occurred();
+}
+
+bool token_vector(const at::Tensor* t, int64_t n, int device, bool fp32_only) {
+  if (t == nullptr || t->dim() != 1 || t->size(0) != n || !t->is_cuda() || t->get_device() != device ||
+      !t->is_contiguous()) {
+    return false;
+  }
+  return !fp32_only || t->scalar_type() == at::kFloat;
+}
+
+// Whether `obj` (a GrpoLossCall) is a common-case call (see the contract above); fills `call` if so.
+bool common_case(PyObject* obj, Call* call) {
+  PyObject* tp_group = get_attr(obj, "tp_group");
+  if (tp_group == nullptr) return false;
+  Py_DECREF(tp_group);
+  if (tp_group != Py_None || read_flag(obj, "inplace_backward") != 0) return false;
+  PyObject* config = get_attr(obj, "config");
+  if (config == nullptr) return false;
+  call->config = read_config(config);
+  Py_DECREF(config);  // read_config holds its own reference
+  if (call->config == nullptr || call->config->gspo) return false;
+  if (!tensor_attr(obj, "logits", false, call, &call->logits)) return false;
+  const at::Tensor& logits = *call->logits;
+  if (logits.dim() != 2 || !logits.is_cuda() || !logits.requires_grad() || !c10::GradMode::is_enabled()) return false;
+  const int code = dtype_code(logits.scalar_type());
+  if (code < 0 || code > 2 || !logits.is_contiguous() || !aligned(logits.data_ptr())) return false;
+  call->t = logits.size(0), call->v = logits.size(1);
+  if (call->t <= 0 || call->v <= 0 || call->t > kInt32Max || call->v > kInt32Max) return false;
+  call->device = logits.get_device();
+  const at::Tensor* mask = nullptr;
+  if (!tensor_attr(obj, "target_ids", false, call, &call->ids) || !tensor_attr(obj, "old_logp", false, call, &call->old_logp) ||
+      !tensor_attr(obj, "ref_logp", true, call, &call->ref_logp) ||
+      !tensor_attr(obj, "advantages", false, call, &call->advantages) ||
+      !tensor_attr(obj, "loss_mask", false, call, &mask)) {
+    return false;
+  }
+  call->loss_mask = mask;
+  const int64_t t = call->t;
+  if (!token_vector(call->ids, t, call->device, false) || call->ids->scalar_type() != at::kLong) return false;
+  if (!token_vector(call->old_logp, t, call->device, true) || !token_vector(call->advantages, t, call->device, true)) return false;
+  if (call->ref_logp != nullptr && !token_vector(call->ref_logp, t, call->device, true)) return false;
+  const int mask_code = dtype_code(mask->scalar_type());
+  if (!token_vector(mask, t, call->device, false) || mask_code < 0 || mask_code > 4) return false;
+  call->rollout_logp = nullptr;
+  if (call->config->tis) {
+    if (!tensor_attr(obj, "rollout_logp", false, call, &call->rollout_logp) ||
+        !token_vector(call->rollout_logp, t, call->device, true)) {
+      return false;
+    }
+  }
+  const at::Tensor *lengths = nullptr, *cu_seqlens = nullptr;
+  if (!tensor_attr(obj, "lengths", true, call, &lengths) || !tensor_attr(obj, "cu_seqlens", true, call, &cu_seqlens)) return false;
+  if (lengths != nullptr && cu_seqlens != nullptr) return false;
+  const at::Tensor* offsets = lengths != nullptr ? lengths : cu_seqlens;
+  if (offsets != nullptr) {
+    const int off_code = dtype_code(offsets->scalar_type());
+    if ((off_code != 5 && off_code != 6) || offsets->dim() != 1 || !offsets->is_cuda() ||
+        offsets->get_device() != call->device || !offsets->is_contiguous()) {
+      return false;
+    }
+    call->offsets = offsets;
+    call->offsets_kind = lengths != nullptr ? 1 : 2;
+    call->samples = lengths != nullptr ? offsets->size(0) : offsets->size(0) - 1;
+    if (call->samples <= 0) return false;
+  } else {
+    call->offsets = mask;
+    call->offsets_kind = 0;
+    call->samples = 1;
+  }
+  PyObject* temperature = get_attr(obj, "temperature");
+  if (temperature == nullptr) return false;
+  const bool is_float = PyFloat_CheckExact(temperature);
+  call->temperature = is_float ? PyFloat_AS_DOUBLE(temperature) : 0.0;
+  Py_DECREF(temperature);
+  if (!is_float || !(call->temperature > 0.0)) return false;
+  if (!int_attr(obj, "ignore_index", &call->ignore_index) || !int_attr(obj, "deferred", &call->call_id)) return false;
+  return call->call_id >= 0 && call->call_id <= kInt32Max;
+}
+
+// ---------------------------------------------------------------- keys (what Triton specializes each kernel on)
+
+uint64_t weights_key(const Call& c) {
+  uint64_t key = static_cast<uint64_t>(c.device);
+  key = key << 3 | static_cast<uint64_t>(dtype_code(c.loss_mask->scalar_type()));
+  key = key << 1 | (aligned(c.loss_mask->data_ptr()) ? 1u : 0u);
+  key = key << 2 | static_cast<uint64_t>(c.offsets_kind);
+  key = key << 3 | static_cast<uint64_t>(dtype_code(c.offsets->scalar_type()));
+  key = key << 1 | (aligned(c.offsets->data_ptr()) ? 1u : 0u);
+  key = key << 3 | int_bits(c.t);
+  key = key << 2 | rows_bits(c.t);
+  key = key << 3 | int_bits(c.samples);
+  key = key << 1 | (c.config->per_token ? 1u : 0u);
+  return key;
+}
+
+uint64_t sums_key(const Call& c) {
+  uint64_t key = static_cast<uint64_t>(c.device);
+  key = key << 3 | int_bits(c.t);
+  key = key << 2 | rows_bits(c.t);
+  key = key << 1 | (c.config->kl_coef != 0.0 ? 1u : 0u);
+  return key;
+}
+
+uint64_t one_read_key(int device, at::ScalarType dtype, int64_t v) {
+  return (static_cast<uint64_t>(device) << 40) | (static_cast<uint64_t>(dtype_code(dtype)) << 32) |
+         static_cast<uint64_t>(v);
+}
+
+// logits contiguous and aligned, dlogits a fresh allocation like them, grad_output an aligned fp32
+// element: V (stride, vocab; exact, since the vocab block and warps follow from it), the dtype, the
+// ids' alignment, T and ignore_index as Triton sees ints, the per_token rows' alignment, SCALE.
+uint64_t dlogits_key(int device, at::ScalarType dtype, int64_t v, const at::Tensor& ids, int64_t t,
+                     int64_t ignore_index, double temperature) {
+  uint64_t key = static_cast<uint64_t>(device);
+  key = key << 2 | static_cast<uint64_t>(dtype_code(dtype));
+  key = key << 31 | static_cast<uint64_t>(v);
+  key = key << 1 | (aligned(ids.data_ptr()) ? 1u : 0u);
+  key = key << 3 | int_bits(t);
+  key = key << 2 | rows_bits(t);
+  key = key << 3 | int_bits(ignore_index);
+  key = key << 1 | (temperature != 1.0 ? 1u : 0u);
+  return key;
+}
+
+// ---------------------------------------------------------------- the backward node
+
+void throw_python_error(const char* what) {
+  PyObject *type = nullptr, *value = nullptr, *trace = nullptr;
+  PyErr_Fetch(&type, &value, &trace);
+  std::string message = what;
+  if (value != nullptr) {
+    PyObject* text = PyObject_Str(value);
+    if (text != nullptr && PyUnicode_Check(text)) message += std::string(": ") + PyUnicode_AsUTF8(text);
+    Py_XDECREF(text);
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(trace);
+  throw std::runtime_error(message);
+}
+
+struct GrpoLossBackward : public torch::autograd::Node {
+  torch::autograd::SavedVariable logits_, ids_;
+  at::Tensor per_token_;  // rows 4-6: coef, row max, sum-exp; row 7: the reduction weights
+  at::Tensor unit_grad_;  // dlogits for grad_output 1, written by the forward; handed out once
+  TritonKernel dlogits_;
+  double temperature_;
+  int64_t ignore_index_;
+  int device_;
+  uint64_t context_;
+
+  std::string name() const override { return "GrpoLossBackward"; }
+
+  void release_variables() override {
+    logits_.reset_data();
+    ids_.reset_data();
+    per_token_.reset();
+    unit_grad_.reset();
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    PhaseClock clock;
+    at::Tensor logits = logits_.unpack();  // raises if released (a second backward) or modified in place
+    at::Tensor ids = ids_.unpack();
+    const int64_t t = logits.size(0), v = logits.size(1);
+    at::Tensor grad_output = grads[0].defined() ? grads[0] : at::zeros({}, logits.options().dtype(at::kFloat));
+    at::Tensor g = grad_output.reshape({1});
+    if (!unit_grad_.defined()) return {second(logits, ids, grad_output)};
+    if (g.scalar_type() != at::kFloat || !aligned(g.data_ptr())) {
+      g = at::empty({1}, g.options().dtype(at::kFloat)).copy_(g);  // the key's specialization: aligned fp32
+    }
+    CUcontext context = nullptr;
+    if (cu_ctx_get_current(&context) != 0 || reinterpret_cast<uint64_t>(context) != context_) {
+      if (cu_ctx_set_current(reinterpret_cast<CUcontext>(context_)) != 0) {
+        throw std::runtime_error("grpo_loss host path: cannot make the kernels' CUDA context current");
+      }
+    }
+    at::Tensor grad = std::move(unit_grad_);
+    const char* rows = static_cast<const char*>(per_token_.data_ptr());
+    const int64_t row_bytes = 4 * t;
+    const Arg args[] = {
+        Arg::ptr(logits.data_ptr()), Arg::ptr(grad.data_ptr()), Arg::ptr(ids.data_ptr()),
+        Arg::ptr(rows + 7 * row_bytes), Arg::ptr(rows + 4 * row_bytes), Arg::ptr(g.data_ptr()),
+        Arg::ptr(rows + 5 * row_bytes), Arg::ptr(rows + 6 * row_bytes),
+        Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index_), Arg::f32(temperature_),
+        Arg::integer(t),
+    };
+    const int64_t programs = std::min(t, dlogits_.programs);
+    launch_triton("dlogits", dlogits_, static_cast<unsigned>(programs), current_stream(device_), args, 14);
+    clock.mark(kBackward);
+    return {grad};
+  }
+
+  // A backward after the first (retain_graph): the forward's dlogits are handed out, so fresh rows
+  // are written by the Python path's backward kernel (rare: its host time does not matter).
+  at::Tensor second(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& grad_output) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    try {
+      if (second_backward == nullptr) throw std::runtime_error("grpo_loss host path: configure() was not called");
+      PyObject* out = PyObject_CallFunction(
+          second_backward, "NNNNNdL", THPVariable_Wrap(logits), THPVariable_Wrap(ids),
+          THPVariable_Wrap(per_token_[7]), THPVariable_Wrap(per_token_.narrow(0, 4, 3)),
+          THPVariable_Wrap(grad_output), temperature_, static_cast<long long>(ignore_index_));
+      if (out == nullptr) throw_python_error("grpo_loss backward");
+      if (!THPVariable_Check(out)) {
+        Py_DECREF(out);
+        throw std::runtime_error("grpo_loss host path: second_backward did not return a tensor");
+      }
+      at::Tensor grad = THPVariable_Unpack(out);
+      Py_DECREF(out);
+      PyGILState_Release(gil);
+      return grad;
+    } catch (...) {
+      PyGILState_Release(gil);
+      throw;
+    }
+  }
+};
+
+// torch 2.11 holds nodes in std::shared_ptr, later versions in c10::intrusive_ptr: Edge says which.
+using NodePtr = decltype(torch::autograd::Edge().function);
+
+template <typename Ptr, typename N>
+Ptr make_node() {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return Ptr(new N());
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// ---------------------------------------------------------------- forward
+
+PyObject* forward(PyObject*, PyObject* call_obj) {
+  PhaseClock clock;
+  Call call;
+  if (dlogits_kernels.empty() || !common_case(call_obj, &call) || !no_python_modes()) {
+    PyErr_Clear();  // an attribute or conversion that failed is just "not the common case"
+    Py_RETURN_NONE;
+  }
+  const auto weights = weights_kernels.find(weights_key(call));
+  const auto one_read = one_read_kernels.find(one_read_key(call.device, call.logits->scalar_type(), call.v));
+  const auto sums = sums_kernels.find(sums_key(call));
+  const auto dlogits = dlogits_kernels.find(
+      dlogits_key(call.device, call.logits->scalar_type(), call.v, *call.ids, call.t, call.ignore_index,
+                  call.temperature));
+  const auto context = contexts.find(call.device);
+  const auto word = error_words.find(call.device);
+  if (weights == weights_kernels.end() || one_read == one_read_kernels.end() || sums == sums_kernels.end() ||
+      dlogits == dlogits_kernels.end() || context == contexts.end() || word == error_words.end()) {
+    Py_RETURN_NONE;
+  }
+  try {
+    const c10::DeviceIndex device = static_cast<c10::DeviceIndex>(call.device);
+    if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() != device) Py_RETURN_NONE;
+    CUcontext current = nullptr;
+    if (cu_ctx_get_current(&current) != 0 || reinterpret_cast<uint64_t>(current) != context->second) Py_RETURN_NONE;
+    void* stream = current_stream(device);
+    const at::Tensor& logits = *call.logits;
+    const Config& cfg = *call.config;
+    const int64_t t = call.t, v = call.v;
+    const at::TensorOptions f32 = logits.options().dtype(at::kFloat);
+    clock.mark(kChecks);
+    at::Tensor per_token = at::empty({8, t}, f32);
+    at::Tensor unit_grad = at::empty({t, v}, logits.options());
+    at::Tensor metrics = at::empty({4}, f32);
+    at::Tensor loss = at::empty({}, f32);
+    clock.mark(kAlloc);
+    char* rows = static_cast<char*>(per_token.data_ptr());
+    char* weights_ptr = rows + 7 * 4 * t;
+    const uint64_t err = word->second;
+    {
+      const Arg args[] = {Arg::ptr(call.loss_mask->data_ptr()), Arg::ptr(call.offsets->data_ptr()),
+                          Arg::ptr(weights_ptr), Arg::ptr(err), Arg::integer(t), Arg::integer(call.samples),
+                          Arg::kept(call.call_id)};
+      launch_triton("token weights", weights->second, static_cast<unsigned>(call.samples), stream, args, 7);
+    }
+    clock.mark(kWeights);
+    {
+      const OneReadKernel& k = one_read->second;
+      const bool has_ref = call.ref_logp != nullptr;
+      int32_t flags = call.config->kl_code << 8;
+      if (call.temperature != 1.0) flags |= 1;
+      if (has_ref) flags |= 2;
+      if (cfg.unbiased) flags |= 4;
+      if (cfg.dual_clip) flags |= 8;
+      if (cfg.tis) flags |= 16;
+      void* old = call.old_logp->data_ptr();
+      uint64_t ptrs[9] = {
+          reinterpret_cast<uintptr_t>(logits.data_ptr()), reinterpret_cast<uintptr_t>(unit_grad.data_ptr()),
+          reinterpret_cast<uintptr_t>(call.ids->data_ptr()), reinterpret_cast<uintptr_t>(old),
+          reinterpret_cast<uintptr_t>(has_ref ? call.ref_logp->data_ptr() : old),
+          reinterpret_cast<uintptr_t>(call.advantages->data_ptr()),
+          reinterpret_cast<uintptr_t>(cfg.tis ? call.rollout_logp->data_ptr() : old),
+          reinterpret_cast<uintptr_t>(weights_ptr), reinterpret_cast<uintptr_t>(rows)};
+      int64_t stride_row = v, stride_grad = v, ignore_index = call.ignore_index, call_id = call.call_id;
+      int32_t num_tokens = static_cast<int32_t>(t), vocab = static_cast<int32_t>(v),
+              slice = static_cast<int32_t>(k.slice);
+      float scalars[7] = {static_cast<float>(call.temperature), static_cast<float>(cfg.eps_low),
+                          static_cast<float>(cfg.eps_high), static_cast<float>(cfg.eps_c),
+                          static_cast<float>(cfg.tis_low), static_cast<float>(cfg.tis_high),
+                          static_cast<float>(cfg.kl_coef)};
+      uint64_t word_ptr = err;
+      void* params[25];
+      for (int i = 0; i < 9; ++i) params[i] = &ptrs[i];
+      params[9] = &stride_row, params[10] = &stride_grad, params[11] = &num_tokens, params[12] = &vocab;
+      params[13] = &slice, params[14] = &ignore_index;
+      for (int i = 0; i < 7; ++i) params[15 + i] = &scalars[i];
+      params[22] = &flags, params[23] = &word_ptr, params[24] = &call_id;
+      launch_or_throw("one-read", k.function, static_cast<unsigned>(t * k.cluster), k.threads, k.shared, stream,
+                      params);
+    }
+    clock.mark(kOneRead);
+    {
+      const Arg args[] = {Arg::ptr(rows), Arg::ptr(weights_ptr), Arg::ptr(metrics.data_ptr()),
+                          Arg::ptr(loss.data_ptr()), Arg::integer(t), Arg::f32(cfg.kl_coef)};
+      launch_triton("weighted sums", sums->second, 1, stream, args, 6);
+    }
+    clock.mark(kSums);
+    auto node = make_node<NodePtr, GrpoLossBackward>();
+    auto* grpo = static_cast<GrpoLossBackward*>(node.get());
+    grpo->set_next_edges(torch::autograd::collect_next_edges(logits));
+    grpo->logits_ = torch::autograd::SavedVariable(logits, false);
+    grpo->ids_ = torch::autograd::SavedVariable(*call.ids, false);
+    grpo->per_token_ = per_token;
+    grpo->unit_grad_ = std::move(unit_grad);
+    grpo->dlogits_ = dlogits->second;
+    grpo->temperature_ = call.temperature;
+    grpo->ignore_index_ = call.ignore_index;
+    grpo->device_ = call.device;
+    grpo->context_ = context->second;
+    torch::autograd::create_gradient_edge(loss, std::move(node));
+    clock.mark(kNode);
+    std::vector<at::Tensor> parts = at::unbind(metrics, 0);
+    PyObject* dict = PyDict_New();
+    if (dict == nullptr) return nullptr;
+    for (int i = 0; i < 4; ++i) {
+      PyObject* value = THPVariable_Wrap(std::move(parts[i]));
+      if (value == nullptr || PyDict_SetItem(dict, metric_names[i], value) != 0) {
+        Py_XDECREF(value);
+        Py_DECREF(dict);
+        return nullptr;
+      }
+      Py_DECREF(value);
+    }
+    PyObject* out = PyTuple_New(2);
+    if (out == nullptr) {
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, 0, THPVariable_Wrap(std::move(loss)));
+    PyTuple_SET_ITEM(out, 1, dict);
+    served_calls.fetch_add(1, std::memory_order_relaxed);
+    clock.mark(kOutputs);
+    return out;
+  } catch (const std::exception& exc) {  // an allocation that failed (out of memory), a launch, ...
+    PyErr_SetString(PyExc_RuntimeError, exc.what());
+    return nullptr;
+  }
+}
+
+// ---------------------------------------------------------------- registration
+
+// The Triton kernel described by native (handle, threads, shared, letters), or false with a Python error.
+bool read_native(PyObject* native, TritonKernel* out) {
+  unsigned long long function = 0;
+  unsigned int threads = 0, shared = 0;
+  const char* letters = nullptr;
+  if (!PyArg_ParseTuple(native, "KIIs", &function, &threads, &shared, &letters)) return false;
+  out->function = function, out->threads = threads, out->shared = shared, out->params = letters;
+  return true;
+}
+
+// Stores `kernel` under `key`: 1 stored or already there, 0 the key holds another kernel.
+int store(std::unordered_map<uint64_t, TritonKernel>& registry, uint64_t key, TritonKernel kernel) {
+  const auto known = registry.find(key);
+  if (known != registry.end()) {
+    const TritonKernel& old = known->second;
+    return old.function == kernel.function && old.threads == kernel.threads && old.shared == kernel.shared &&
+           old.params == kernel.params && old.programs == kernel.programs;
+  }
+  registry.emplace(key, std::move(kernel));
+  return 1;
+}
+
+bool check_fits(const char* what, const TritonKernel& kernel, const Arg* args, int nargs) {
+  Packed packed;
+  if (pack(kernel.params, args, nargs, &packed)) return true;
+  PyErr_Format(PyExc_ValueError, "grpo_loss host path: the %s kernel's parameters %s do not fit its call", what,
+               kernel.params.c_str());
+  return false;
+}
+
+bool remember_context(int device) {
+  CUcontext context = nullptr;
+  if (cu_ctx_get_current(&context) != 0 || context == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "grpo_loss host path: no current CUDA context after a launch");
+    return false;
+  }
+  const auto known = contexts.find(device);
+  if (known != contexts.end() && known->second != reinterpret_cast<uint64_t>(context)) {
+    PyErr_Format(PyExc_RuntimeError, "grpo_loss host path: device %d's CUDA context changed", device);
+    return false;
+  }
+  contexts[device] = reinterpret_cast<uint64_t>(context);
+  return true;
+}
+
+PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!takes("register_forward", nargs, 5)) return nullptr;
+  Call call;
+  bool common;
+  {
+    c10::AutoGradMode enable(true);  // the Python path registers from inside autograd.Function.forward (no grad)
+    common = common_case(args[0], &call);
+  }
+  if (!common) {
+    PyErr_Clear();
+    Py_RETURN_NONE;  // not a call the host path serves: nothing to store
+  }
+  if (!resolve_driver()) {
+    PyErr_SetString(PyExc_RuntimeError, "grpo_loss host path: libcuda.so.1 is not loaded or lacks cuLaunchKernel");
+    return nullptr;
+  }
+  TritonKernel weights, sums;
+  OneReadKernel one_read;
+  unsigned long long one_read_function = 0, one_read_word = 0;
+  long long cluster = 0, slice = 0;
+  unsigned int threads = 0, shared = 0;
+  if (!read_native(args[1], &weights) || !read_native(args[3], &sums) ||
+      !PyArg_ParseTuple(args[2], "KLLII", &one_read_function, &cluster, &slice, &threads, &shared)) {
+    return nullptr;
+  }
+  one_read_word = PyLong_AsUnsignedLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  one_read.function = one_read_function, one_read.cluster = cluster, one_read.slice = slice;
+  one_read.threads = threads, one_read.shared = shared;
+  if (cluster <= 0 || slice <= 0 || threads == 0) {
+    PyErr_SetString(PyExc_ValueError, "grpo_loss host path: a one-read plan needs cluster, slice and threads > 0");
+    return nullptr;
+  }
+  const int64_t t = call.t;
+  const Arg weights_args[] = {Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
+                              Arg::ptr(uint64_t{0}), Arg::integer(t), Arg::integer(call.samples),
+                              Arg::kept(call.call_id)};
+  const Arg sums_args[] = {Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
+                           Arg::ptr(uint64_t{0}), Arg::integer(t), Arg::f32(0.0)};
+  if (!check_fits("token weights", weights, weights_args, 7) || !check_fits("weighted sums", sums, sums_args, 6)) {
+    return nullptr;
+  }
+  if (!remember_context(call.device)) return nullptr;
+  const auto word = error_words.find(call.device);
+  if (word != error_words.end() && word->second != one_read_word) {
+    PyErr_Format(PyExc_RuntimeError, "grpo_loss host path: device %d's error word moved", call.device);
+    return nullptr;
+  }
+  error_words[call.device] = one_read_word;
+  const uint64_t one_read_at = one_read_key(call.device, call.logits->scalar_type(), call.v);
+  const auto known = one_read_kernels.find(one_read_at);
+  if (known != one_read_kernels.end()) {
+    const OneReadKernel& old = known->second;
+    if (old.function != one_read.function || old.cluster != one_read.cluster || old.slice != one_read.slice ||
+        old.threads != one_read.threads || old.shared != one_read.shared) {
+      Py_RETURN_FALSE;
+    }
+  }
+  if (!store(weights_kernels, weights_key(call), weights) || !store(sums_kernels, sums_key(call), sums)) {
+    Py_RETURN_FALSE;
+  }
+  one_read_kernels[one_read_at] = one_read;
+  Py_RETURN_TRUE;
+}
+
+PyObject* register_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!takes("register_backward", nargs, 7)) return nullptr;
+  for (int i = 0; i < 3; ++i) {
+    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
+  }
+  const at::Tensor& logits = THPVariable_Unpack(args[0]);
+  const at::Tensor& ids = THPVariable_Unpack(args[1]);
+  const at::Tensor& grad_output = THPVariable_Unpack(args[2]);
+  const double temperature = PyFloat_AsDouble(args[3]);
+  const long long ignore_index = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  const int code = dtype_code(logits.scalar_type());
+  if (logits.dim() != 2 || !logits.is_cuda() || code < 0 || code > 2 || !logits.is_contiguous() ||
+      !aligned(logits.data_ptr()) || logits.size(0) > kInt32Max || logits.size(1) > kInt32Max ||
+      ids.scalar_type() != at::kLong || ids.dim() != 1 || !ids.is_contiguous() ||
+      grad_output.scalar_type() != at::kFloat || grad_output.numel() != 1 || !aligned(grad_output.data_ptr())) {
+    Py_RETURN_NONE;
+  }
+  if (!resolve_driver()) {
+    PyErr_SetString(PyExc_RuntimeError, "grpo_loss host path: libcuda.so.1 is not loaded or lacks cuLaunchKernel");
+    return nullptr;
+  }
+  TritonKernel kernel;
+  if (!read_native(args[5], &kernel)) return nullptr;
+  kernel.programs = PyLong_AsLongLong(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  if (kernel.programs <= 0) {
+    PyErr_SetString(PyExc_ValueError, "grpo_loss host path: programs must be > 0");
+    return nullptr;
+  }
+  const int64_t t = logits.size(0), v = logits.size(1);
+  const Arg dlogits_args[] = {
+      Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
+      Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
+      Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index), Arg::f32(temperature),
+      Arg::integer(t)};
+  if (!check_fits("dlogits", kernel, dlogits_args, 14)) return nullptr;
+  const int device = logits.get_device();
+  if (!remember_context(device)) return nullptr;
+  if (!store(dlogits_kernels, dlogits_key(device, logits.scalar_type(), v, ids, t, ignore_index, temperature),
+             std::move(kernel))) {
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyObject* configure(PyObject*, PyObject* args) {
+  PyObject *names = nullptr, *fallback = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &names, &fallback)) return nullptr;
+  if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != 4 || !PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_TypeError, "configure(metric_names: 4-tuple of str, second_backward: callable)");
+    return nullptr;
+  }
+  for (int i = 0; i < 4; ++i) {
+    PyObject* name = PyTuple_GET_ITEM(names, i);
+    Py_INCREF(name);
+    Py_XDECREF(metric_names[i]);
+    metric_names[i] = name;
+  }
+  Py_INCREF(fallback);
+  Py_XDECREF(second_backward);
+  second_backward = fallback;
+  Py_RETURN_NONE;
+}
+
+PyObject* clear(PyObject*, PyObject*) {
+  weights_kernels.clear();
+  sums_kernels.clear();
+  dlogits_kernels.clear();
+  one_read_kernels.clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* served(PyObject*, PyObject*) { return PyLong_FromLongLong(served_calls.load()); }
+
+PyObject* phases(PyObject*, PyObject* on) {
+  const int enable = PyObject_IsTrue(on);
+  if (enable < 0) return nullptr;
+  PyObject* out = PyDict_New();
+  if (out == nullptr) return nullptr;
+  for (int i = 0; i < kPhases; ++i) {
+    const int64_t calls = phase_calls[i].exchange(0), ns = phase_ns[i].exchange(0);
+    PyObject* value = PyFloat_FromDouble(calls ? static_cast<double>(ns) / calls / 1000.0 : 0.0);
+    if (value == nullptr || PyDict_SetItemString(out, phase_names[i], value) != 0) {
+      Py_XDECREF(value);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(value);
+  }
+  timing.store(enable != 0);
+  return out;
+}
+
+PyMethodDef methods[] = {
+    {"forward", forward, METH_O, "forward(call) -> (loss, metrics) | None (not the common case, or not registered)"},
+    {"register_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_forward)), METH_FASTCALL,
+     "register_forward(call, weights_native, (one_read_function, cluster, slice, threads, shared), sums_native,"
+     " error_word) -> True | False (a key holds another kernel) | None (not a common case)"},
+    {"register_backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_backward)),
+     METH_FASTCALL,
+     "register_backward(logits, ids, grad_output, temperature, ignore_index, dlogits_native, programs)"
+     " -> True | False | None"},
+    {"configure", configure, METH_VARARGS, "configure(metric_names, second_backward)"},
+    {"clear", clear, METH_NOARGS, "forget every registered kernel"},
+    {"served", served, METH_NOARGS, "calls the host path has served in this process"},
+    {"phases", phases, METH_O, "phases(on) -> {phase: mean us per call since the last phases() call}; on: keep timing"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "grpo_loss_one_read", "grpo_loss's host fast path", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_grpo_loss_one_read(void) { return PyModule_Create(&module); }
