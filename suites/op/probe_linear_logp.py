@@ -185,22 +185,26 @@ def compile_check() -> int:
                "target_logit_ptr": "*fp32", "tile_max_ptr": "*fp32", "tile_sumexp_ptr": "*fp32", "q_ptr": "*fp32",
                "lse_ptr": "*fp32", "coef_ptr": "*fp32", "dlogits_ptr": "*fp32", "T": "i32", "H": "i32",
                "V_local": "i32", "col_start": "i32", "n_cols": "i32", "chunk_start": "i32", "chunk_cols": "i32",
-               "stride_ht": "i32", "stride_wv": "i32", "stride_qt": "i32", "stride_dt": "i32", "inv_temperature": "fp32"}
+               "stride_ht": "i32", "stride_wv": "i32", "stride_qt": "i32", "stride_qv": "i32", "stride_dt": "i32",
+               "inv_temperature": "fp32"}
     pointer_consts = {"HAS_BIAS": True, "BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_K": 32, "INPUT_PRECISION": "ieee",
                       "UPCAST": False, "EVEN_K": True}
     cases = []
-    for dlogits, store_q, tma_store, bias, ws in [(False, False, False, False, False), (False, True, True, False, False),
-                                                 (False, True, False, True, False), (True, False, True, False, False),
-                                                 (True, False, False, True, False), (False, False, False, False, True)]:
+    for dlogits, store_q, tma_store, bias, ws, q_t in [
+            (False, False, False, False, False, False), (False, True, True, False, False, False),
+            (False, True, False, True, False, False), (True, False, True, False, False, False),
+            (True, False, False, True, False, False), (False, False, False, False, True, False),
+            (False, True, True, False, False, True), (False, True, False, True, False, True)]:
         out = "bf16" if dlogits else "fp16"
+        out_block = "[256,128]" if q_t else "[128,256]"
         types = {"h_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[256,64]>",
-                 "out_desc": f"tensordesc<{out}[128,256]>" if tma_store else "tensordesc<bf16[128,64]>",
+                 "out_desc": f"tensordesc<{out}{out_block}>" if tma_store else "tensordesc<bf16[128,64]>",
                  "bias_ptr": "*bf16", "local_ids_ptr": "*i32", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
                  "tile_max_ptr": "*fp32", "tile_sumexp_ptr": "*fp32", "target_logit_ptr": "*fp32", "out_ptr": f"*{out}",
                  "T": "i32", "H": "i32", "col_start": "i32", "n_cols": "i32", "stride_ot": "i32", "scale2": "fp32",
                  "group_t": "i32"}
-        consts = {**tile, "DLOGITS": dlogits, "STORE_Q": store_q, "TMA_STORE": tma_store, "HAS_BIAS": bias,
-                  "WARP_SPECIALIZE": ws}
+        consts = {**tile, "DLOGITS": dlogits, "STORE_Q": store_q, "TMA_STORE": tma_store, "Q_TRANSPOSED": q_t,
+                  "HAS_BIAS": bias, "WARP_SPECIALIZE": ws}
         cases.append((op._tma_tiles_kernel, types, consts, 8, 3))
     cases += [
         (op._fwd_tile_kernel, pointer, {**pointer_consts, "STORE_Q": True}, 8, 3),
@@ -212,7 +216,8 @@ def compile_check() -> int:
                                     "n_cols": "i32", "stride_dt": "i32"}, {"BLOCK_T": 32}, 4, 3),
         (op._saved_dlogits_kernel, {"q_ptr": "*fp16", "d_ptr": "*bf16", "tile_max_ptr": "*fp32", "lse_ptr": "*fp32",
                                     "coef_ptr": "*fp32", "target_logit_ptr": "*fp32", "local_ids_ptr": "*i32",
-                                    "T": "i32", "n_cols": "i32", "stride_t": "i32"},
+                                    "T": "i32", "col_start": "i32", "n_cols": "i32", "stride_qt": "i32",
+                                    "stride_qc": "i32", "stride_dt": "i32", "stride_dc": "i32"},
          {"TILE_V": 256, "BLOCK_T": 64, "BLOCK_C": 128}, 4, 3),
     ]
     failed = 0
