@@ -712,6 +712,8 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
         programs = min(n_tiles, _num_programs(hidden.device))
         h_desc = TensorDescriptor.from_tensor(hidden, [cfg.block_t, cfg.block_k])
         tma_store = out is not None and (TMA_STORE_DLOGITS if is_dlogits else TMA_STORE_Q)
+        if q_transposed:  # the weight gradient's rows: TMA needs 16-byte row strides
+            tma_store = tma_store and (q.stride(1) * q.element_size()) % 16 == 0
         if not tma_store:
             out_desc = h_desc
         elif q_transposed:  # [vocab columns, T] rows of the weight gradient's buffer
