@@ -19,9 +19,10 @@ TP ranks (Megatron's ColumnParallelLinear input region does the same all-reduce 
 
 Matrix products (each 2*T*H*V flops): the forward's logits, and in the backward dH = dlogits @ W and
 dW = dlogits^T @ H, plus a recompute of the logits for every vocab column whose logits the forward
-did not keep. How many it keeps is set by the workspace budget (``workspace_bytes``, below): with a
-budget of the logits' size (T * V * 2 bytes for 16-bit inputs) plus ~2% it keeps them all and
-forward+backward is three products; at the default 256 MB it keeps ~15% of them (issue shape).
+did not keep. It keeps them all (three products) where the workspace budget (``workspace_bytes``,
+below) holds them (the logits' size, T * V * 2 bytes for 16-bit inputs, plus ~2%), or, within any
+budget, in the weight gradient's buffer where the weight needs a gradient and T <= H (below); else
+as many as the budget holds (~15% at the default 256 MB at the issue's shape).
 
 Forward (``_tma_tiles_kernel`` on Hopper+, bf16/fp16): a persistent kernel (one program per SM)
 loops over (token tile, vocab tile) pairs, token tile fastest, operands through host-side TMA
@@ -48,6 +49,19 @@ before the sum) unless one product covers the whole vocab (everything kept, no T
 cuBLAS product with fp32 accumulation straight into the returned dtype. dW is one product per
 chunk (fp32 accumulation over all T, stored once). ``RLK_LINEAR_LOGP_BWD_MATMUL=triton`` runs dH/dW
 in our ``_matmul_kernel`` instead.
+
+Kept in the weight gradient (``RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD``, default on): dW = dlogits^T @ H
+is a [V, H] buffer the backward returns, as large as the 16-bit logits when T <= H. Where the budget
+cannot hold the logits and the weight needs a gradient, the forward allocates it and stores q of
+vocab column v in its row v (tokens along the row: the tile is stored transposed), so the backward's
+chunk [s, s + n) reads its q from rows [s, s + n), writes its dlogits into the chunk buffer ([n, T]
+rows), and only then its dW product overwrites rows [s, s + n): no chunk's product touches a row
+whose q is not yet used. The budget then sizes the chunk buffer only. The cost: the gradient exists
+from the forward on (T * V * 2 bytes at T = H), where the budget path allocates it in the backward;
+that is free where the backward follows its forward, as the LM head's does (the first backward after
+the loss), and adds up where several forwards run before their backwards (interleaved pipeline
+schedules: one gradient buffer per microbatch in flight). Opting out (the setting at 0) keeps only
+what the budget holds.
 
 Workspace (``workspace_bytes``: the most the op holds beyond its inputs, its output and the
 gradients it returns, from the forward through the backward; ``planned_workspace_bytes`` computes
