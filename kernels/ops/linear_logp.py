@@ -294,11 +294,11 @@ def _workspace(T: int, H: int, V: int, element: int, block_v: int, saved: int, b
 
 def _plan(T: int, H: int, V: int, dtype: torch.dtype, budget: int, *, explicit: bool, save: bool, tp: bool,
           weight_grad: bool = False, interpreted: bool = INTERPRETED) -> _Plan:
-    """The fastest use of ``budget`` bytes: keep every column (three products, dH in one product)
-    if it fits; else, where the weight gradient is computed (``weight_grad``: its buffer may hold the
-    logits) and holds them (T <= H), keep every column there, and the budget sizes the backward's
-    chunks; else keep as many columns as the buffer holds and recompute the rest in chunks of the
-    buffer's size."""
+    """The fastest use of ``budget`` bytes: where the weight gradient is computed (``weight_grad``:
+    its buffer may hold the logits) and holds them (T <= H), keep every column there, the budget
+    sizing the backward's chunks (three products; measured faster than keeping them in the workspace,
+    and less memory); else keep every column in the workspace if it fits (three products, dH in one
+    product); else as many columns as the buffer holds, the rest recomputed in chunks of its size."""
     block_v = _tile_config(dtype, interpreted).block_v
     element = torch.empty((), dtype=dtype).element_size()
     in_grad = save and weight_grad and T <= H
@@ -309,7 +309,7 @@ def _plan(T: int, H: int, V: int, dtype: torch.dtype, budget: int, *, explicit: 
     def cost(saved: int, cols: int, dh32: bool) -> int:
         return _workspace(T, H, V, element, block_v, saved, cols, dh32, in_grad)
 
-    if save:
+    if save and not in_grad:
         full_cols = _round_up(V, 16 // element)  # 16-byte rows for the TMA store
         all_kept = _workspace(T, H, V, element, block_v, V, full_cols, tp)
         if all_kept <= budget:

@@ -5,12 +5,13 @@ kinds of logits:
   ``random``  hidden ~ N(0, 1), W ~ N(0, (2/sqrt(H))^2): logits std ~2, flat softmax;
   ``peaked``  hidden ~ N(0, 0.5^2), W ~ N(0, 0.125^2): logits std ~4, a few tokens hold most of the
               probability, like a trained model's head (the case where rounding hurts most).
-Ours at three workspace budgets (``workspace_bytes``): the default (256 MB, what a user gets: the
-logits kept in the weight gradient's buffer, three matrix products), ``rlk_ws_logits`` = the bf16
-logits' size (T * V * 2 B = 1.24 GB) and ``rlk_keep_all`` (2% more: every column kept in the
-workspace, three matrix products); labelled variants: ``rlk_budget_only`` is the default budget with
-``RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD=0`` (only what 256 MB holds is kept: 3.85 products),
-``rlk_bwd_triton_mm`` the default with our Triton dH/dW matmuls. ``cublas_mm`` is no implementation
+Ours at two workspace budgets (``workspace_bytes``): the default (256 MB, what a user gets: the
+logits kept in the weight gradient's buffer, three matrix products in 8 chunks) and ``rlk_ws_logits``
+= the bf16 logits' size (T * V * 2 B = 1.24 GB: 2 chunks); labelled variants with
+``RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD=0`` (the weight gradient's buffer not used): ``rlk_budget_only``
+at the default budget (only what 256 MB holds is kept: 3.85 products) and ``rlk_keep_all`` at 2% over
+the logits' size (every column kept in the workspace, three products); ``rlk_bwd_triton_mm`` is the
+default with our Triton dH/dW matmuls. ``cublas_mm`` is no implementation
 but the context of a matrix-product-bound op: cuBLAS's own bf16 ``hidden @ weight.T`` ([T, V] bf16
 out), timed in the same rounds, its rate (``cublas_mm_tflops``) beside ours (``<impl>_tflops``: the
 op's products, 2*T*H*V flops each, per second). Peers timed in the same process: eager (bf16 matmul + fp32 log-softmax),
@@ -129,7 +130,8 @@ def _ours(budget: int) -> Impl:
 
 
 # Our labelled variants' settings (the headline ``rlk`` and the budgets run with every setting at its default).
-VARIANT_SETTINGS = {"rlk_bwd_triton_mm": {BWD_MATMUL_ENV: "triton"}, "rlk_budget_only": {KEEP_IN_WEIGHT_GRAD_ENV: "0"}}
+VARIANT_SETTINGS = {"rlk_bwd_triton_mm": {BWD_MATMUL_ENV: "triton"}, "rlk_budget_only": {KEEP_IN_WEIGHT_GRAD_ENV: "0"},
+                    "rlk_keep_all": {KEEP_IN_WEIGHT_GRAD_ENV: "0"}}
 
 
 def _select_variant(monkeypatch, name: str) -> None:
@@ -150,7 +152,8 @@ def _products(name: str, pass_name: str) -> float:
     if pass_name == "fwd":
         return 1.0
     budget = BUDGETS.get(name, DEFAULT_WORKSPACE_BYTES)
-    kept = kept_vocab_columns(T, H, V, torch.bfloat16, budget, weight_grad=name != "rlk_budget_only")
+    in_weight_grad = VARIANT_SETTINGS.get(name, {}).get(KEEP_IN_WEIGHT_GRAD_ENV) != "0"
+    kept = kept_vocab_columns(T, H, V, torch.bfloat16, budget, weight_grad=in_weight_grad)
     return 3.0 + (V - kept) / V
 
 
@@ -211,7 +214,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("logits", list(LOGITS))
-def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, logits):
+def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, monkeypatch, logits):
     hidden, weight, ids, upstream = _inputs(logits)
     rlk_metrics.set_case(_case(logits) + "-accuracy")
     ref_logp, tc_logp, ref_dh, ref_dw, logits_std = _reference(hidden, weight, ids, upstream)
@@ -234,6 +237,7 @@ def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, logits):
     grad_tol = tolerances.get("linear_logp.grad", torch.bfloat16)
     for variant, budget in BUDGETS.items():
         prefix = "" if variant == "rlk" else f"{variant}_"  # the default keeps the metric names it always had
+        _select_variant(monkeypatch, variant)
         ours = _ours(budget)
         logp = ours(hidden, weight, ids)
         dh, dw = torch.autograd.grad(logp, (hidden, weight), upstream)
@@ -329,7 +333,7 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
         return torch.autograd.grad(f(hidden, weight, ids), (hidden, weight), upstream)
 
     assert kernels.fallback_counts() == {}, f"our kernels fell back while being timed: {kernels.fallback_counts()}"
-    monkeypatch.delenv(BWD_MATMUL_ENV, raising=False)
+    _select_variant(monkeypatch, "rlk")  # the compiled variant runs with every setting at its default
     measured[COMPILED] = measure_compiled(rlk_metrics, kernels.linear_logp, compiled_ours, bytes_moved, tags)
     summary = ", ".join(f"{n}: {ms:.2f} ms" + (f" ({peak[n] / 1e9:.2f} GB)" if n in peak else "")
                         for n, ms in measured.items())
