@@ -108,15 +108,20 @@ def probe(out_dir: str, sections: set[str]) -> None:
         del q
         # every column kept: dH and dW over the finished dlogits, then the q -> dlogits pass (in place:
         # finishing finished values again moves the same bytes; their values no longer matter)
-        logp = op.linear_logp(hidden, weight, ids, workspace_bytes=BUDGETS["1.27 GB (keep all)"])
+        # (in the workspace's [T, V] buffer: the weight gradient's buffer opted out)
+        logp = _with_env(op.KEEP_IN_WEIGHT_GRAD_ENV, "0", lambda: op.linear_logp(
+            hidden, weight, ids, workspace_bytes=BUDGETS["1.27 GB (keep all)"]))()
         ctx = logp.grad_fn
         saved, lse, target_logit = ctx.saved_logits, ctx.saved_tensors[4], ctx.saved_tensors[6]
-        dlogits = op._finish_saved_logits(saved, lse, coef, target_logit, local_ids)
+
+        def finish():
+            return op._saved_dlogits(saved, 0, saved.cols, saved.buffer, lse, coef, target_logit, local_ids)
+
+        dlogits = finish()
         dh, dw = torch.empty_like(h), torch.empty_like(w)
         _interleaved(rows, {"bwd keep-all: dH = dlogits @ W (K = V)": lambda: torch.mm(dlogits, w, out=dh),
                             "bwd keep-all: dW = dlogits^T @ H": lambda: torch.mm(dlogits.t(), h, out=dw)})
-        _interleaved(rows, {"bwd keep-all: finish q -> dlogits (in place)":
-                            lambda: op._finish_saved_logits(saved, lse, coef, target_logit, local_ids)}, products={
+        _interleaved(rows, {"bwd keep-all: finish q -> dlogits (in place)": finish}, products={
                             "bwd keep-all: finish q -> dlogits (in place)": 0.0})
         del logp, ctx, saved, dlogits
         plan = op._plan(T, H, V, torch.bfloat16, op.DEFAULT_WORKSPACE_BYTES, explicit=False, save=True, tp=False)
