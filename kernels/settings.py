@@ -252,6 +252,13 @@ LINEAR_LOGP_SAVE_LOGITS = _declare(Setting(
     "The forward keeps as many logits (as exponentials) as the workspace budget holds, so the backward "
     "recomputes only the rest; off: it keeps none and the backward recomputes them all.",
     readers=("kernels/ops/linear_logp.py",)))
+LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD = _declare(Setting(
+    "RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD", parse_flag, True,
+    "Where the workspace budget cannot hold the logits, the weight needs a gradient and T <= H, the "
+    "forward allocates the weight gradient and keeps every logit (as exponentials) in it: "
+    "forward+backward in three matrix products within the budget, the [V, H] gradient held from the "
+    "forward on; off: only what the budget holds is kept.",
+    readers=("kernels/ops/linear_logp.py",)))
 LINEAR_LOGP_WORKSPACE_BYTES = _declare(Setting(
     "RLK_LINEAR_LOGP_WORKSPACE_BYTES", parse_positive_int, None,
     "The memory linear_logp may hold beyond its inputs, output and gradients, in bytes, where a call "

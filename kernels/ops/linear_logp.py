@@ -19,9 +19,10 @@ TP ranks (Megatron's ColumnParallelLinear input region does the same all-reduce 
 
 Matrix products (each 2*T*H*V flops): the forward's logits, and in the backward dH = dlogits @ W and
 dW = dlogits^T @ H, plus a recompute of the logits for every vocab column whose logits the forward
-did not keep. How many it keeps is set by the workspace budget (``workspace_bytes``, below): with a
-budget of the logits' size (T * V * 2 bytes for 16-bit inputs) plus ~2% it keeps them all and
-forward+backward is three products; at the default 256 MB it keeps ~15% of them (issue shape).
+did not keep. It keeps them all (three products) where the workspace budget (``workspace_bytes``,
+below) holds them (the logits' size, T * V * 2 bytes for 16-bit inputs, plus ~2%), or, within any
+budget, in the weight gradient's buffer where the weight needs a gradient and T <= H (below); else
+as many as the budget holds (~15% at the default 256 MB at the issue's shape).
 
 Forward (``_tma_tiles_kernel`` on Hopper+, bf16/fp16): a persistent kernel (one program per SM)
 loops over (token tile, vocab tile) pairs, token tile fastest, operands through host-side TMA
@@ -48,6 +49,19 @@ before the sum) unless one product covers the whole vocab (everything kept, no T
 cuBLAS product with fp32 accumulation straight into the returned dtype. dW is one product per
 chunk (fp32 accumulation over all T, stored once). ``RLK_LINEAR_LOGP_BWD_MATMUL=triton`` runs dH/dW
 in our ``_matmul_kernel`` instead.
+
+Kept in the weight gradient (``RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD``, default on): dW = dlogits^T @ H
+is a [V, H] buffer the backward returns, as large as the 16-bit logits when T <= H. Where the budget
+cannot hold the logits and the weight needs a gradient, the forward allocates it and stores q of
+vocab column v in its row v (tokens along the row: the tile is stored transposed), so the backward's
+chunk [s, s + n) reads its q from rows [s, s + n), writes its dlogits into the chunk buffer ([n, T]
+rows), and only then its dW product overwrites rows [s, s + n): no chunk's product touches a row
+whose q is not yet used. The budget then sizes the chunk buffer only. The cost: the gradient exists
+from the forward on (T * V * 2 bytes at T = H), where the budget path allocates it in the backward;
+that is free where the backward follows its forward, as the LM head's does (the first backward after
+the loss), and adds up where several forwards run before their backwards (interleaved pipeline
+schedules: one gradient buffer per microbatch in flight). Opting out (the setting at 0) keeps only
+what the budget holds.
 
 Workspace (``workspace_bytes``: the most the op holds beyond its inputs, its output and the
 gradients it returns, from the forward through the backward; ``planned_workspace_bytes`` computes
@@ -179,6 +193,16 @@ def _save_logits() -> bool:
     return settings.LINEAR_LOGP_SAVE_LOGITS.get()
 
 
+KEEP_IN_WEIGHT_GRAD_ENV = settings.LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD.name  # "0": opt out
+
+
+def _keep_in_weight_grad() -> bool:
+    """Whether a forward that keeps logits may keep them in the weight gradient's buffer, allocated
+    in the forward (default on; it applies where the budget cannot hold them, the weight needs a
+    gradient and T <= H)."""
+    return settings.LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD.get()
+
+
 TMA_ENV = settings.LINEAR_LOGP_TMA.name
 # Persistent TMA kernel options (module attributes, for probes). Measured on an H100 (bf16, issue
 # shape, Triton 3.6): flattening the tile and K loops into one pipeline 7.6 ms vs 8.2 ms without;
@@ -253,47 +277,58 @@ class _Plan:
     dh32: bool  # dH accumulates in fp32 [T, H] (several products, or a TP all-reduce)
     workspace: int  # bytes the plan holds at most
     budget: int
+    # the kept q lives in the weight gradient's [V, H] buffer (transposed: column v in row v, tokens
+    # along it), the [T, buffer_cols] buffer is only the chunk buffer of the backward
+    in_weight_grad: bool = False
 
 
-def _workspace(T: int, H: int, V: int, element: int, block_v: int, saved: int, buffer_cols: int, dh32: bool) -> int:
+def _workspace(T: int, H: int, V: int, element: int, block_v: int, saved: int, buffer_cols: int, dh32: bool,
+               in_weight_grad: bool = False) -> int:
     vectors = 16 * T * 4 + 2 * V * 4  # per-row vectors, ids, the fp32 bias gradient
     buffer = T * buffer_cols * element
-    forward = (buffer if saved else 0) + 2 * triton.cdiv(V, block_v) * T * 4 + vectors  # + tile partials
+    kept_in_buffer = saved and not in_weight_grad
+    forward = (buffer if kept_in_buffer else 0) + 2 * triton.cdiv(V, block_v) * T * 4 + vectors  # + tile partials
     backward = buffer + triton.cdiv(saved, block_v) * T * 4 + (T * H * 4 if dh32 else 0) + vectors
     return max(forward, backward)
 
 
 def _plan(T: int, H: int, V: int, dtype: torch.dtype, budget: int, *, explicit: bool, save: bool, tp: bool,
-          interpreted: bool = INTERPRETED) -> _Plan:
-    """The fastest use of ``budget`` bytes: keep every column (three products, dH in one product)
-    if it fits, else keep as many columns as the buffer holds and recompute the rest in chunks of
-    the buffer's size."""
+          weight_grad: bool = False, interpreted: bool = INTERPRETED) -> _Plan:
+    """The fastest use of ``budget`` bytes: where the weight gradient is computed (``weight_grad``:
+    its buffer may hold the logits) and holds them (T <= H), keep every column there, the budget
+    sizing the backward's chunks (three products; measured faster than keeping them in the workspace,
+    and less memory); else keep every column in the workspace if it fits (three products, dH in one
+    product); else as many columns as the buffer holds, the rest recomputed in chunks of its size."""
     block_v = _tile_config(dtype, interpreted).block_v
     element = torch.empty((), dtype=dtype).element_size()
+    in_grad = save and weight_grad and T <= H
+
+    def kept(cols: int) -> int:
+        return V if in_grad else min(cols, V) if save else 0
 
     def cost(saved: int, cols: int, dh32: bool) -> int:
-        return _workspace(T, H, V, element, block_v, saved, cols, dh32)
+        return _workspace(T, H, V, element, block_v, saved, cols, dh32, in_grad)
 
-    if save:
+    if save and not in_grad:
         full_cols = _round_up(V, 16 // element)  # 16-byte rows for the TMA store
-        if cost(V, full_cols, tp) <= budget:
-            return _Plan(V, full_cols, tp, cost(V, full_cols, tp), budget)
+        all_kept = _workspace(T, H, V, element, block_v, V, full_cols, tp)
+        if all_kept <= budget:
+            return _Plan(V, full_cols, tp, all_kept, budget)
     widest = _round_up(V, block_v)
-    cols = min(widest, max(0, budget - cost(0, 0, True)) // (T * element) // block_v * block_v)
-    while cols >= block_v and cost(min(cols, V) if save else 0, cols, True) > budget:
+    cols = min(widest, max(0, budget - cost(kept(0), 0, True)) // (T * element) // block_v * block_v)
+    while cols >= block_v and cost(kept(cols), cols, True) > budget:
         cols -= block_v
     if cols < block_v and explicit:
-        need = cost(min(block_v, V) if save else 0, block_v, True)
+        need = cost(kept(block_v), block_v, True)
         raise ValueError(
             f"workspace_bytes={budget} is below the {need} bytes linear_logp needs at T={T}, H={H}, "
             f"V_local={V} ({dtype}): an fp32 [T, H] dH accumulator and a chunk of {block_v} vocab columns")
     if not explicit:  # the default budget: never chunks thinner than MIN_DEFAULT_CHUNK_COLS
         cols = max(cols, min(widest, MIN_DEFAULT_CHUNK_COLS))
-    if not save:
+    if not save or in_grad:  # chunks from column 0: the buffer as wide as the widest even chunk
         cols = _round_up(_even_chunks(0, V, cols, block_v)[0][1], 16 // element)
-    saved = min(cols, V) if save else 0
     dh32 = tp or cols < V  # one product over the whole vocab needs no fp32 accumulator
-    return _Plan(saved, cols, dh32, cost(saved, cols, dh32), budget)
+    return _Plan(kept(cols), cols, dh32, cost(kept(cols), cols, dh32), budget, in_grad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,13 +388,13 @@ def _logits_tile(
 def _fwd_tile_kernel(
     hidden_ptr, weight_ptr, bias_ptr, local_ids_ptr, tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, q_ptr,
     T, H, col_start, n_cols,
-    stride_ht, stride_wv, stride_qt, inv_temperature,
+    stride_ht, stride_wv, stride_qt, stride_qv, inv_temperature,
     HAS_BIAS: tl.constexpr, STORE_Q: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """``_tma_tiles_kernel``'s forward over columns [col_start, col_start + n_cols), one program per
-    tile, pointer loads, natural-log units."""
+    tile, pointer loads, natural-log units; q[t, v] at ``q_ptr + t * stride_qt + v * stride_qv``."""
     pid_t = tl.program_id(0)  # token tile fastest: co-resident programs share weight tiles in L2
     pid_v = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -383,7 +418,7 @@ def _fwd_tile_kernel(
     owns = mask_t & (local_id >= col_start + pid_v * BLOCK_V) & (local_id < col_start + pid_v * BLOCK_V + BLOCK_V) & (local_id < end)
     tl.store(target_logit_ptr + offs_t, target, mask=owns)
     if STORE_Q:
-        q_ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_v[None, :]
+        q_ptrs = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_v.to(tl.int64)[None, :] * stride_qv
         tl.store(q_ptrs, e.to(q_ptr.dtype.element_ty), mask=mask_t[:, None] & (offs_v < end)[None, :])
 
 
@@ -420,7 +455,7 @@ def _tma_tiles_kernel(
     h_desc, w_desc, out_desc, bias_ptr, local_ids_ptr, lse_ptr, coef_ptr,
     tile_max_ptr, tile_sumexp_ptr, target_logit_ptr, out_ptr,
     T, H, col_start, n_cols, stride_ot, scale2, group_t,
-    DLOGITS: tl.constexpr, STORE_Q: tl.constexpr, TMA_STORE: tl.constexpr,
+    DLOGITS: tl.constexpr, STORE_Q: tl.constexpr, TMA_STORE: tl.constexpr, Q_TRANSPOSED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
@@ -435,7 +470,9 @@ def _tma_tiles_kernel(
     holds it (``local_ids`` - col_start: column; rows of other shards / ignored rows: none); with STORE_Q also every tile's
     q = exp(z - tile row max) into ``out`` (the kept block, column c = vocab column c; a launch
     stores all its tiles or none: a branch on the tile in the flattened loop does not compile in
-    Triton 3.6, so the forward runs the kept columns and the rest as two launches). DLOGITS = True
+    Triton 3.6, so the forward runs the kept columns and the rest as two launches); Q_TRANSPOSED: ``out``
+    holds q transposed, vocab column c in row c (``stride_ot`` apart), tokens along the row: the
+    layout of q kept in the weight gradient's [V, H] buffer. DLOGITS = True
     (backward): coef[t] * exp(z - lse[t]) into ``out``, the chunk buffer (column c = vocab column
     col_start + c). ``out`` is written through ``out_desc`` (TMA_STORE: a TMA store, clipped at
     the descriptor's [T, columns] shape) or through masked pointer stores.
@@ -496,7 +533,13 @@ def _tma_tiles_kernel(
             row_sumexp = tl.sum(e, axis=1)
             if STORE_Q:
                 q = e.to(out_ptr.dtype.element_ty)
-                if TMA_STORE:
+                if Q_TRANSPOSED:
+                    if TMA_STORE:
+                        out_desc.store([col_start + off_c, off_t], tl.trans(q))
+                    else:
+                        q_ptrs = out_ptr + (col_start + offs_c).to(tl.int64)[None, :] * stride_ot + offs_t[:, None]
+                        tl.store(q_ptrs, q, mask=mask_t[:, None] & mask_c[None, :])
+                elif TMA_STORE:
                     out_desc.store([off_t, col_start + off_c], q)
                 else:
                     q_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + (col_start + offs_c)[None, :]
@@ -550,29 +593,33 @@ def _target_column_kernel(
 @triton.jit
 def _saved_dlogits_kernel(
     q_ptr, d_ptr, tile_max_ptr, lse_ptr, coef_ptr, target_logit_ptr, local_ids_ptr,
-    T, n_cols, stride_t,
+    T, col_start, n_cols, stride_qt, stride_qc, stride_dt, stride_dc,
     TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """In place over the kept block: q = exp(z - m_tile) (``q_ptr``) becomes dlogits (``d_ptr``, the
-    same memory in the input dtype) = coef * p, p = q * exp(m_tile - lse), coef = -g / temperature;
-    in the target column -coef * (1 - p) with p = exp(target_logit - lse) from the fp32 target logit.
-    BLOCK_C divides TILE_V, so one block of columns shares one forward tile (one m_tile per row)."""
+    """Kept q = exp(z - m_tile) of vocab columns [col_start, col_start + n_cols) (``q_ptr``, q[t, c] at
+    t * stride_qt + c * stride_qc) becomes dlogits (``d_ptr``, in the input dtype, strides likewise;
+    the same memory as q for the kept block in the buffer, a chunk buffer for q kept in the weight
+    gradient) = coef * p, p = q * exp(m_tile - lse), coef = -g / temperature; in the target column
+    -coef * (1 - p) with p = exp(target_logit - lse) from the fp32 target logit. ``tile_max_ptr`` starts
+    at the row of column col_start's tile; BLOCK_C divides TILE_V, so one block of columns shares one
+    forward tile (one m_tile per row)."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_t = offs_t < T
     mask = mask_t[:, None] & (offs_c < n_cols)[None, :]
-    offs = offs_t.to(tl.int64)[:, None] * stride_t + offs_c[None, :]
-    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q_offs = offs_t.to(tl.int64)[:, None] * stride_qt + offs_c.to(tl.int64)[None, :] * stride_qc
+    q = tl.load(q_ptr + q_offs, mask=mask, other=0.0).to(tl.float32)
     m_tile = tl.load(tile_max_ptr + ((pid_c * BLOCK_C) // TILE_V) * T + offs_t, mask=mask_t, other=0.0)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
     coef = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)
     p_target = tl.exp(tl.load(target_logit_ptr + offs_t, mask=mask_t, other=0.0) - lse)
     local_id = tl.load(local_ids_ptr + offs_t, mask=mask_t, other=-1)
-    is_target = offs_c[None, :] == local_id[:, None]
+    is_target = (col_start + offs_c)[None, :] == local_id[:, None]
     d = tl.where(is_target, -(1.0 - p_target)[:, None], q * tl.exp(m_tile - lse)[:, None]) * coef[:, None]
-    tl.store(d_ptr + offs, d.to(d_ptr.dtype.element_ty), mask=mask)
+    d_offs = offs_t.to(tl.int64)[:, None] * stride_dt + offs_c.to(tl.int64)[None, :] * stride_dc
+    tl.store(d_ptr + d_offs, d.to(d_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -661,8 +708,9 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
                   dlogits=None, lse=None, coef=None):
     """Runs the logits-tile work over columns [col_start, col_start + n_cols) (col_start a multiple of
     the tile's BLOCK_V): the forward partials (``partials`` = (tile_max, tile_sumexp, target_logit)), with ``q``
-    ([T, >= col_start + n_cols], the kept block) also every column's exp(z - tile row max); or the
-    chunk's coef * softmax (``dlogits``, [T, >= n_cols])."""
+    ([T, >= col_start + n_cols], the kept block; a transposed view, ``q.stride(1) != 1``: q kept in the
+    weight gradient's rows) also every column's exp(z - tile row max); or the chunk's coef * softmax
+    (``dlogits``, [T, >= n_cols])."""
     T, H = hidden.shape
     cfg = _tile_config(hidden.dtype)
     has_bias = bias is not None
@@ -671,21 +719,30 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
     precision, upcast = _input_precision(hidden.dtype), _upcast_operands(hidden.dtype)
     is_dlogits = dlogits is not None
     tile_max, tile_sumexp, target_logit = partials if partials is not None else (hidden, hidden, None)
+    q_transposed = store_q and q.stride(1) != 1
     if _use_tma(hidden, weight):
         out = dlogits if is_dlogits else q
         n_tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(n_cols, cfg.block_v)
         programs = min(n_tiles, _num_programs(hidden.device))
         h_desc = TensorDescriptor.from_tensor(hidden, [cfg.block_t, cfg.block_k])
         tma_store = out is not None and (TMA_STORE_DLOGITS if is_dlogits else TMA_STORE_Q)
-        out_desc = (TensorDescriptor(out, [T, n_cols if is_dlogits else col_start + n_cols], [out.stride(0), 1],
-                                     [cfg.block_t, cfg.block_v]) if tma_store else h_desc)
+        if q_transposed:  # the weight gradient's rows: TMA needs 16-byte row strides
+            tma_store = tma_store and (q.stride(1) * q.element_size()) % 16 == 0
+        if not tma_store:
+            out_desc = h_desc
+        elif q_transposed:  # [vocab columns, T] rows of the weight gradient's buffer
+            out_desc = TensorDescriptor(out.t(), [col_start + n_cols, T], [out.stride(1), 1], [cfg.block_v, cfg.block_t])
+        else:
+            out_desc = TensorDescriptor(out, [T, n_cols if is_dlogits else col_start + n_cols], [out.stride(0), 1],
+                                        [cfg.block_t, cfg.block_v])
+        row_stride = 0 if out is None else out.stride(1) if q_transposed else out.stride(0)
         _tma_tiles_kernel[(programs,)](
             h_desc, TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_k]), out_desc,
             bias_arg, local_ids, lse if is_dlogits else hidden, coef if is_dlogits else hidden,
             tile_max, tile_sumexp, target_logit if target_logit is not None else hidden, out if out is not None else hidden,
-            T, H, col_start, n_cols, out.stride(0) if out is not None else 0, inv_temperature * math.log2(math.e),
+            T, H, col_start, n_cols, row_stride, inv_temperature * math.log2(math.e),
             min(_tma_group_t(), triton.cdiv(T, cfg.block_t)),
-            DLOGITS=is_dlogits, STORE_Q=store_q, TMA_STORE=tma_store,
+            DLOGITS=is_dlogits, STORE_Q=store_q, TMA_STORE=tma_store, Q_TRANSPOSED=q_transposed,
             HAS_BIAS=has_bias, BLOCK_T=cfg.block_t, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
             NUM_PROGRAMS=programs, FLATTEN=TMA_FLATTEN, WARP_SPECIALIZE=TMA_WARP_SPECIALIZE,
             INPUT_PRECISION=precision, UPCAST=upcast,
@@ -700,7 +757,8 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
         q_arg = q if store_q else hidden
         _fwd_tile_kernel[grid](
             hidden, weight, bias_arg, local_ids, tile_max, tile_sumexp, target_logit, q_arg, T, H, col_start, n_cols,
-            hidden.stride(0), weight.stride(0), q_arg.stride(0), inv_temperature, STORE_Q=store_q, **common,
+            hidden.stride(0), weight.stride(0), q_arg.stride(0), q_arg.stride(1), inv_temperature, STORE_Q=store_q,
+            **common,
         )
     else:
         _dlogits_kernel[grid](
@@ -713,13 +771,22 @@ def _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, *, col_start
 @dataclass
 class _SavedLogits:
     """What the forward keeps for the backward: q = exp(z - tile row max) of vocab columns [0, cols)
-    in ``buffer`` (columns [0, cols) of its [T, buffer_cols] rows, in ``_saved_dtype``), and those
-    tiles' row maxima. Consumed (turned into dlogits in place) by the first backward; a second
-    backward over the same graph recomputes instead."""
-    buffer: torch.Tensor  # [T, buffer_cols], input dtype
+    in ``buffer`` (columns [0, cols) of its [T, buffer_cols] rows, in ``_saved_dtype``), or, with
+    ``weight_grad``, every column's q in that [V, H] buffer of the weight gradient (column v in row v,
+    tokens along it: q[t, v] at v * H + t), and those tiles' row maxima. Consumed (turned into
+    dlogits) by the first backward; a second backward over the same graph recomputes instead."""
+    buffer: torch.Tensor | None  # [T, buffer_cols], input dtype
     tile_max: torch.Tensor  # [ceil(cols / block_v), T] fp32
     cols: int
     block_v: int
+    weight_grad: torch.Tensor | None = None  # [V, H], weight's dtype: becomes the returned dW
+
+    def q(self) -> torch.Tensor:
+        """The kept q as a [T, >= cols] view (transposed strides when it lives in the weight gradient)."""
+        if self.weight_grad is None:
+            return self.buffer.view(_saved_dtype(self.buffer.dtype))
+        T = self.tile_max.shape[1]
+        return self.weight_grad.view(_saved_dtype(self.weight_grad.dtype))[:, :T].t()
 
 
 def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, plan=None):
@@ -733,13 +800,18 @@ def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, plan=No
     tile_sumexp = torch.empty((n_v, T), dtype=torch.float32, device=hidden.device)
     target_logit = torch.zeros(T, dtype=torch.float32, device=hidden.device)  # written by the owning tile
     saved = None
-    if plan is not None and plan.saved_cols > 0:
+    if plan is not None and plan.in_weight_grad:
+        # the weight gradient the backward returns, allocated now: its rows hold the kept q till then
+        weight_grad = torch.empty((V_local, hidden.shape[1]), dtype=weight.dtype, device=weight.device)
+        saved = _SavedLogits(buffer=None, tile_max=tile_max, cols=V_local, block_v=cfg.block_v,
+                             weight_grad=weight_grad)
+    elif plan is not None and plan.saved_cols > 0:
         buffer = torch.empty((T, plan.buffer_cols), dtype=hidden.dtype, device=hidden.device)
         saved = _SavedLogits(buffer=buffer, tile_max=tile_max, cols=plan.saved_cols, block_v=cfg.block_v)
     kept = 0 if saved is None else saved.cols  # a multiple of block_v, or V_local
     if kept:
         _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=0, n_cols=kept,
-                      partials=(tile_max, tile_sumexp, target_logit), q=saved.buffer.view(_saved_dtype(hidden.dtype)))
+                      partials=(tile_max, tile_sumexp, target_logit), q=saved.q())
     if kept < V_local:
         _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=kept, n_cols=V_local - kept,
                       partials=(tile_max, tile_sumexp, target_logit))
@@ -760,17 +832,21 @@ def _forward(hidden, weight, bias, local_ids, inv_temperature, tp_group, plan=No
     return target_logit, row_max + torch.log(sumexp), saved
 
 
-def _finish_saved_logits(saved, lse, coef, target_logit, local_ids) -> torch.Tensor:
-    """Turns the kept q into the dlogits of columns [0, saved.cols) in place; returns that [T, cols] view."""
-    T = saved.buffer.shape[0]
+def _saved_dlogits(saved, start, cols, out, lse, coef, target_logit, local_ids) -> torch.Tensor:
+    """The dlogits of the kept columns [start, start + cols) (start a multiple of the tile width) from
+    their q, into ``out`` ([T, >= cols], the input dtype; the q's own memory works); returns the
+    [T, cols] view of ``out``."""
+    T = saved.tile_max.shape[1]
+    q = saved.q()[:, start:start + cols]
+    out = out[:, :cols]
     block_t, block_c = (32, min(32, saved.block_v)) if INTERPRETED else (64, min(128, saved.block_v))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(saved.cols, block_c))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(cols, block_c))
     _saved_dlogits_kernel[grid](
-        saved.buffer.view(_saved_dtype(saved.buffer.dtype)), saved.buffer, saved.tile_max, lse, coef,
-        target_logit, local_ids, T, saved.cols, saved.buffer.stride(0),
+        q, out, saved.tile_max[start // saved.block_v:], lse, coef, target_logit, local_ids, T, start, cols,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         TILE_V=saved.block_v, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
     )
-    return saved.buffer[:, :saved.cols]
+    return out
 
 
 def _accumulate_dh(d_hidden32: torch.Tensor, d_chunk: torch.Tensor, w_chunk: torch.Tensor, first: bool) -> None:
@@ -792,38 +868,53 @@ def _accumulate_dh(d_hidden32: torch.Tensor, d_chunk: torch.Tensor, w_chunk: tor
 
 def _backward(hidden, weight, bias, local_ids, lse, grad_rows, target_logit, inv_temperature, tp_group, needs,
               plan, saved=None):
-    """dH, dW, db: first the kept columns (``saved``: turned into dlogits in place, one pair of
-    products over all of them), then the other columns in even chunks recomputed into the same
-    buffer, each followed by its pair of products."""
+    """dH, dW, db over the vocab in pieces, each followed by its pair of products: the kept block in
+    the buffer (``saved``: turned into dlogits in place, one piece), then the other columns in even
+    chunks recomputed into the same buffer; or, with q kept in the weight gradient's rows, every
+    column in even chunks, each chunk's dlogits written into the chunk buffer (so that the chunk's dW
+    product overwrites only rows whose q is used), and that buffer returned as dW."""
     T, H = hidden.shape
     V_local = weight.shape[0]
     cfg = _tile_config(hidden.dtype)
     need_dh, need_dw, need_db = needs
     use_torch_mm = _bwd_matmul() == "torch"
     coef = (grad_rows * -inv_temperature).contiguous()
-    if saved is not None:
-        buffer = saved.buffer
-        pieces = [(0, saved.cols, _finish_saved_logits(saved, lse, coef, target_logit, local_ids))]
-        saved.buffer = None  # consumed
+    in_grad = saved is not None and saved.weight_grad is not None
+    # pieces: (start, cols, dlogits [T, cols] | "kept" (from q in the weight gradient) | None (recompute))
+    if in_grad:
+        pieces = [(start, cols, "kept") for start, cols in _even_chunks(0, V_local, plan.buffer_cols, cfg.block_v)]
+        # [cols, T] rows: the dlogits chunk is read transposed, as its q is stored
+        chunk_rows = torch.empty((pieces[0][1], T), dtype=hidden.dtype, device=hidden.device)
+        chunk_view = chunk_rows.t()
     else:
-        buffer = torch.empty((T, plan.buffer_cols), dtype=hidden.dtype, device=hidden.device)
-        pieces = []
-    done = pieces[0][1] if pieces else 0
-    chunks = _even_chunks(done, V_local, buffer.shape[1], cfg.block_v)
-    # Row length of the chunk view: 16-byte rows (TMA) within the buffer (itself 16-byte aligned).
-    width = min(buffer.shape[1], _round_up(chunks[0][1], 16 // buffer.element_size())) if chunks else 0
+        if saved is not None:
+            buffer = saved.buffer
+            pieces = [(0, saved.cols, _saved_dlogits(saved, 0, saved.cols, buffer, lse, coef, target_logit, local_ids))]
+            saved.buffer = None  # consumed
+        else:
+            buffer = torch.empty((T, plan.buffer_cols), dtype=hidden.dtype, device=hidden.device)
+            pieces = []
+        done = pieces[0][1] if pieces else 0
+        chunks = _even_chunks(done, V_local, buffer.shape[1], cfg.block_v)
+        # Row length of the chunk view: 16-byte rows (TMA) within the buffer (itself 16-byte aligned).
+        width = min(buffer.shape[1], _round_up(chunks[0][1], 16 // buffer.element_size())) if chunks else 0
+        chunk_view = buffer.view(-1)[:T * width].view(T, width) if chunks else None
+        pieces += [(start, cols, None) for start, cols in chunks]
     # One product over the whole vocab, no TP: dH straight into its dtype, no fp32 accumulator.
-    dh_direct = need_dh and tp_group is None and len(pieces) + len(chunks) == 1
+    dh_direct = need_dh and tp_group is None and len(pieces) == 1
     d_hidden = torch.empty_like(hidden) if dh_direct else None
     alloc = torch.empty if use_torch_mm else torch.zeros  # cuBLAS overwrites on the first product
     d_hidden32 = alloc((T, H), dtype=torch.float32, device=hidden.device) if need_dh and not dh_direct else None
-    d_weight = torch.empty_like(weight) if need_dw else None
+    if in_grad:
+        # its rows' q are used chunk by chunk before the chunk's dW product overwrites them
+        d_weight = saved.weight_grad if need_dw else None
+    else:
+        d_weight = torch.empty_like(weight) if need_dw else None
     d_bias32 = torch.empty(V_local, dtype=torch.float32, device=hidden.device) if need_db else None
-    chunk_view = buffer.view(-1)[:T * width].view(T, width) if chunks else None
-    for start, cols in chunks:
-        pieces.append((start, cols, None))
     for index, (start, cols, d_piece) in enumerate(pieces):
-        if d_piece is None:  # recompute this chunk's softmax into the buffer
+        if isinstance(d_piece, str):  # q kept in the weight gradient's rows -> the chunk buffer
+            d_piece = _saved_dlogits(saved, start, cols, chunk_view, lse, coef, target_logit, local_ids)
+        elif d_piece is None:  # recompute this chunk's softmax into the buffer
             d_piece = chunk_view[:, :cols]
             _launch_tiles(hidden, weight, bias, local_ids, inv_temperature, col_start=start, n_cols=cols,
                           dlogits=d_piece, lse=lse, coef=coef)
@@ -899,8 +990,9 @@ def linear_logp_call(call: LinearLogpCall) -> torch.Tensor:
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_c, weight_c, bias_c))
     save = wants_grad and _save_logits()
+    weight_grad = save and weight_c.requires_grad and _keep_in_weight_grad()
     plan = _plan(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, budget, explicit=explicit,
-                 save=save, tp=call.tp_group is not None)
+                 save=save, tp=call.tp_group is not None, weight_grad=weight_grad)
     return _LinearLogpFunction.apply(
         hidden_c, weight_c, bias_c, target_ids, call.temperature, call.tp_group, call.vocab_start, plan, save,
     )
@@ -910,19 +1002,25 @@ linear_logp = entry_point(LinearLogpCall, linear_logp_call, name="linear_logp")
 
 
 def planned_workspace_bytes(T: int, H: int, V_local: int, dtype: torch.dtype, workspace_bytes: int | None = None,
-                            *, tp: bool = False, save: bool = True) -> int:
+                            *, tp: bool = False, save: bool = True, weight_grad: bool | None = None) -> int:
     """Upper bound of the extra memory (beyond inputs, output and returned grads) forward+backward
-    hold on a GPU (compiled tile sizes) under a budget (``workspace_bytes``, as ``linear_logp``'s)."""
+    hold on a GPU (compiled tile sizes) under a budget (``workspace_bytes``, as ``linear_logp``'s).
+    ``weight_grad``: the weight's gradient is computed (None: the setting
+    ``RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD`` decides whether its buffer may hold the kept logits)."""
     budget, explicit = _workspace_budget(workspace_bytes)
-    return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=save, tp=tp, interpreted=False).workspace
+    weight_grad = _keep_in_weight_grad() if weight_grad is None else weight_grad
+    return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=save, tp=tp, weight_grad=weight_grad,
+                 interpreted=False).workspace
 
 
 def kept_vocab_columns(T: int, H: int, V_local: int, dtype: torch.dtype, workspace_bytes: int | None = None,
-                       *, tp: bool = False) -> int:
+                       *, tp: bool = False, weight_grad: bool | None = None) -> int:
     """How many vocab columns' logits a forward that a backward follows keeps under the budget
-    (V_local: all of them, three matrix products)."""
+    (V_local: all of them, three matrix products); ``weight_grad`` as in ``planned_workspace_bytes``."""
     budget, explicit = _workspace_budget(workspace_bytes)
-    return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=True, tp=tp, interpreted=False).saved_cols
+    weight_grad = _keep_in_weight_grad() if weight_grad is None else weight_grad
+    return _plan(T, H, V_local, dtype, budget, explicit=explicit, save=True, tp=tp, weight_grad=weight_grad,
+                 interpreted=False).saved_cols
 
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "WORKSPACE_ENV", "kept_vocab_columns", "linear_logp", "linear_logp_call",

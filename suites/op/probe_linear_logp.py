@@ -108,15 +108,20 @@ def probe(out_dir: str, sections: set[str]) -> None:
         del q
         # every column kept: dH and dW over the finished dlogits, then the q -> dlogits pass (in place:
         # finishing finished values again moves the same bytes; their values no longer matter)
-        logp = op.linear_logp(hidden, weight, ids, workspace_bytes=BUDGETS["1.27 GB (keep all)"])
+        # (in the workspace's [T, V] buffer: the weight gradient's buffer opted out)
+        logp = _with_env(op.KEEP_IN_WEIGHT_GRAD_ENV, "0", lambda: op.linear_logp(
+            hidden, weight, ids, workspace_bytes=BUDGETS["1.27 GB (keep all)"]))()
         ctx = logp.grad_fn
         saved, lse, target_logit = ctx.saved_logits, ctx.saved_tensors[4], ctx.saved_tensors[6]
-        dlogits = op._finish_saved_logits(saved, lse, coef, target_logit, local_ids)
+
+        def finish():
+            return op._saved_dlogits(saved, 0, saved.cols, saved.buffer, lse, coef, target_logit, local_ids)
+
+        dlogits = finish()
         dh, dw = torch.empty_like(h), torch.empty_like(w)
         _interleaved(rows, {"bwd keep-all: dH = dlogits @ W (K = V)": lambda: torch.mm(dlogits, w, out=dh),
                             "bwd keep-all: dW = dlogits^T @ H": lambda: torch.mm(dlogits.t(), h, out=dw)})
-        _interleaved(rows, {"bwd keep-all: finish q -> dlogits (in place)":
-                            lambda: op._finish_saved_logits(saved, lse, coef, target_logit, local_ids)}, products={
+        _interleaved(rows, {"bwd keep-all: finish q -> dlogits (in place)": finish}, products={
                             "bwd keep-all: finish q -> dlogits (in place)": 0.0})
         del logp, ctx, saved, dlogits
         plan = op._plan(T, H, V, torch.bfloat16, op.DEFAULT_WORKSPACE_BYTES, explicit=False, save=True, tp=False)
@@ -185,22 +190,26 @@ def compile_check() -> int:
                "target_logit_ptr": "*fp32", "tile_max_ptr": "*fp32", "tile_sumexp_ptr": "*fp32", "q_ptr": "*fp32",
                "lse_ptr": "*fp32", "coef_ptr": "*fp32", "dlogits_ptr": "*fp32", "T": "i32", "H": "i32",
                "V_local": "i32", "col_start": "i32", "n_cols": "i32", "chunk_start": "i32", "chunk_cols": "i32",
-               "stride_ht": "i32", "stride_wv": "i32", "stride_qt": "i32", "stride_dt": "i32", "inv_temperature": "fp32"}
+               "stride_ht": "i32", "stride_wv": "i32", "stride_qt": "i32", "stride_qv": "i32", "stride_dt": "i32",
+               "inv_temperature": "fp32"}
     pointer_consts = {"HAS_BIAS": True, "BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_K": 32, "INPUT_PRECISION": "ieee",
                       "UPCAST": False, "EVEN_K": True}
     cases = []
-    for dlogits, store_q, tma_store, bias, ws in [(False, False, False, False, False), (False, True, True, False, False),
-                                                 (False, True, False, True, False), (True, False, True, False, False),
-                                                 (True, False, False, True, False), (False, False, False, False, True)]:
+    for dlogits, store_q, tma_store, bias, ws, q_t in [
+            (False, False, False, False, False, False), (False, True, True, False, False, False),
+            (False, True, False, True, False, False), (True, False, True, False, False, False),
+            (True, False, False, True, False, False), (False, False, False, False, True, False),
+            (False, True, True, False, False, True), (False, True, False, True, False, True)]:
         out = "bf16" if dlogits else "fp16"
+        out_block = "[256,128]" if q_t else "[128,256]"
         types = {"h_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[256,64]>",
-                 "out_desc": f"tensordesc<{out}[128,256]>" if tma_store else "tensordesc<bf16[128,64]>",
+                 "out_desc": f"tensordesc<{out}{out_block}>" if tma_store else "tensordesc<bf16[128,64]>",
                  "bias_ptr": "*bf16", "local_ids_ptr": "*i32", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
                  "tile_max_ptr": "*fp32", "tile_sumexp_ptr": "*fp32", "target_logit_ptr": "*fp32", "out_ptr": f"*{out}",
                  "T": "i32", "H": "i32", "col_start": "i32", "n_cols": "i32", "stride_ot": "i32", "scale2": "fp32",
                  "group_t": "i32"}
-        consts = {**tile, "DLOGITS": dlogits, "STORE_Q": store_q, "TMA_STORE": tma_store, "HAS_BIAS": bias,
-                  "WARP_SPECIALIZE": ws}
+        consts = {**tile, "DLOGITS": dlogits, "STORE_Q": store_q, "TMA_STORE": tma_store, "Q_TRANSPOSED": q_t,
+                  "HAS_BIAS": bias, "WARP_SPECIALIZE": ws}
         cases.append((op._tma_tiles_kernel, types, consts, 8, 3))
     cases += [
         (op._fwd_tile_kernel, pointer, {**pointer_consts, "STORE_Q": True}, 8, 3),
@@ -212,7 +221,8 @@ def compile_check() -> int:
                                     "n_cols": "i32", "stride_dt": "i32"}, {"BLOCK_T": 32}, 4, 3),
         (op._saved_dlogits_kernel, {"q_ptr": "*fp16", "d_ptr": "*bf16", "tile_max_ptr": "*fp32", "lse_ptr": "*fp32",
                                     "coef_ptr": "*fp32", "target_logit_ptr": "*fp32", "local_ids_ptr": "*i32",
-                                    "T": "i32", "n_cols": "i32", "stride_t": "i32"},
+                                    "T": "i32", "col_start": "i32", "n_cols": "i32", "stride_qt": "i32",
+                                    "stride_qc": "i32", "stride_dt": "i32", "stride_dc": "i32"},
          {"TILE_V": 256, "BLOCK_T": 64, "BLOCK_C": 128}, 4, 3),
     ]
     failed = 0

@@ -48,7 +48,7 @@ def _grads(fn, leaves, ids, temperature, **kw):
     hidden, weight, bias = leaves
     logp = fn(hidden, weight, ids, bias, temperature, **kw)
     upstream = torch.linspace(-1.0, 2.0, logp.shape[0], device=logp.device)
-    wrt = [t for t in leaves if t is not None]
+    wrt = [t for t in leaves if t is not None and t.requires_grad]
     return logp, torch.autograd.grad(logp, wrt, upstream)
 
 
@@ -75,17 +75,18 @@ def test_parity_with_fp32_reference(dtype, temperature, rlk_metrics):
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype, rlk_metrics)
 
 
-def _budget(T, H, V, dtype, cols, saved=None):
+def _budget(T, H, V, dtype, cols, saved=None, in_weight_grad=False):
     """The workspace budget whose plan uses a buffer of ``cols`` vocab columns (the run's tile sizes),
-    keeping ``saved`` (default: as many as the buffer holds) columns."""
+    keeping ``saved`` (default: as many as the buffer holds; every column with ``in_weight_grad``)
+    columns."""
     block_v = op_module._tile_config(dtype).block_v
     element = torch.empty((), dtype=dtype).element_size()
-    saved = min(cols, V) if saved is None else saved
-    return op_module._workspace(T, H, V, element, block_v, saved, cols, True)
+    saved = (V if in_weight_grad else min(cols, V)) if saved is None else saved
+    return op_module._workspace(T, H, V, element, block_v, saved, cols, True, in_weight_grad)
 
 
-def _plan_of(T, H, V, dtype, budget, save=True):
-    return op_module._plan(T, H, V, dtype, budget, explicit=True, save=save, tp=False)
+def _plan_of(T, H, V, dtype, budget, save=True, weight_grad=False):
+    return op_module._plan(T, H, V, dtype, budget, explicit=True, save=save, tp=False, weight_grad=weight_grad)
 
 
 def test_backward_over_several_vocab_chunks_without_bias():
@@ -104,13 +105,16 @@ def test_backward_over_several_vocab_chunks_without_bias():
 
 
 @pytest.mark.parametrize("matmul", ["torch", "triton"])
-@pytest.mark.parametrize("kept", ["some", "all"])
+@pytest.mark.parametrize("kept", ["some", "all", "in_weight_grad"])
 def test_backward_matmul_options(monkeypatch, matmul, kept):
     """Both backward matmul options (cuBLAS, the default, and our Triton matmul) meet the tolerances,
-    over several vocab chunks and with every column kept (dH in one product, no fp32 accumulator)."""
+    over several vocab chunks, with every column kept (dH in one product, no fp32 accumulator) and
+    with every column kept in the weight gradient (chunks read transposed)."""
     monkeypatch.setenv(op_module.BWD_MATMUL_ENV, matmul)
+    monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "1" if kept == "in_weight_grad" else "0")
     T, H, V = 24, 32, 257
-    budget = _budget(T, H, V, torch.bfloat16, op_module._tile_config(torch.bfloat16).block_v)
+    block_v = op_module._tile_config(torch.bfloat16).block_v
+    budget = _budget(T, H, V, torch.bfloat16, block_v, in_weight_grad=kept == "in_weight_grad")
     if kept == "all":
         budget = 10**9
         assert not _plan_of(T, H, V, torch.bfloat16, budget).dh32
@@ -128,6 +132,7 @@ def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     tiles in T, V and K (H = 40), bias, an ignored row, several backward chunks, both tile orders."""
     monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", True)
     monkeypatch.setenv(op_module.GROUP_T_ENV, group_t)
+    monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "0")  # the backward recomputes (in the TMA kernel)
     launched = []
     kernel = op_module._tma_tiles_kernel
 
@@ -147,28 +152,31 @@ def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype)
 
 
-@pytest.mark.parametrize("kept", ["some", "all"])
+@pytest.mark.parametrize("kept", ["some", "all", "in_weight_grad"])
 @pytest.mark.parametrize("path", ["default", "tma", "tma_store"])
 def test_kept_logits_match_recompute(monkeypatch, path, kept):
-    """The forward keeps the logits (exp(z - tile max)) of the columns the budget allows; the backward
-    turns them into dlogits instead of recomputing them. Same tolerances as the recompute path,
-    through the default kernel, the TMA kernel and its TMA stores (interpreter), with some columns
-    kept (the rest recomputed in chunks) and all kept; no_grad keeps nothing; a second backward over
+    """The forward keeps the logits (exp(z - tile max)) of the columns the budget allows, or all of
+    them in the weight gradient's buffer; the backward turns them into dlogits instead of recomputing
+    them. Same tolerances as the recompute path, through the default kernel, the TMA kernel and its
+    TMA stores (interpreter), with some columns kept (the rest recomputed in chunks), all kept, and
+    all kept in the weight gradient (several chunks); no_grad keeps nothing; a second backward over
     the same graph (retain_graph) recomputes and agrees."""
     if path != "default" and not INTERPRETED:
         pytest.skip("the TMA paths are the GPU default for bf16 (covered by the parity tests there)")
     monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", path != "default")
     for knob in ("TMA_STORE_Q", "TMA_STORE_DLOGITS"):
         monkeypatch.setattr(op_module, knob, path == "tma_store")
+    in_grad = kept == "in_weight_grad"
+    monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "1" if in_grad else "0")
     T, H, V = 40, 40, ODD_VOCAB
-    budget = _budget(T, H, V, torch.bfloat16, 2 * op_module._tile_config(torch.bfloat16).block_v)
+    budget = _budget(T, H, V, torch.bfloat16, 2 * op_module._tile_config(torch.bfloat16).block_v, in_weight_grad=in_grad)
     if kept == "all":
         budget = 10**9
-    plan = _plan_of(T, H, V, torch.bfloat16, budget)
-    assert (plan.saved_cols == V) == (kept == "all")
+    plan = _plan_of(T, H, V, torch.bfloat16, budget, weight_grad=in_grad)
+    assert (plan.saved_cols == V) == (kept != "some") and plan.in_weight_grad == in_grad
     finished = []
-    finish = op_module._finish_saved_logits
-    monkeypatch.setattr(op_module, "_finish_saved_logits", lambda *a: finished.append(1) or finish(*a))
+    finish = op_module._saved_dlogits
+    monkeypatch.setattr(op_module, "_saved_dlogits", lambda *a: finished.append(1) or finish(*a))
     ours = functools.partial(linear_logp, workspace_bytes=budget)
     leaves, ids = _inputs(torch.bfloat16, T=T, H=H, V=V, seed=4)
     ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
@@ -177,7 +185,11 @@ def test_kept_logits_match_recompute(monkeypatch, path, kept):
         monkeypatch.setenv(op_module.SAVE_LOGITS_ENV, save)
         got[save] = _grads(ours, leaves, ids, 0.7)
         assert_linear_logp_close(*got[save], ref_logp, ref_grads, torch.bfloat16)
-    assert finished == [1], "only the saving run may take the kept-logits path"
+    kept_pieces = len(finished)  # the kept block, or each chunk of the weight gradient's rows
+    block_v = op_module._tile_config(torch.bfloat16).block_v
+    assert kept_pieces == (len(op_module._even_chunks(0, V, plan.buffer_cols, block_v)) if in_grad else 1), \
+        "only the saving run may take the kept-logits path"
+    assert in_grad == (kept_pieces > 1)
     assert torch.equal(got["1"][0], got["0"][0]), "keeping logits must not change the forward's log-probs"
     monkeypatch.setenv(op_module.SAVE_LOGITS_ENV, "1")
     hidden, weight, bias = leaves
@@ -185,12 +197,12 @@ def test_kept_logits_match_recompute(monkeypatch, path, kept):
     upstream = torch.linspace(-1.0, 2.0, logp.shape[0], device=logp.device)
     first = torch.autograd.grad(logp, (hidden, weight, bias), upstream, retain_graph=True)
     second = torch.autograd.grad(logp, (hidden, weight, bias), upstream)
-    assert len(finished) == 2, "the second backward must recompute (the kept logits were consumed)"
+    assert len(finished) == 2 * kept_pieces, "the second backward must recompute (the kept logits were consumed)"
     for a, b in zip(first, second):
         tolerances.assert_close(a.float(), b.float(), "linear_logp.grad", torch.bfloat16, name="second backward")
     with torch.no_grad():
         ours(hidden, weight, ids, bias, 0.7)
-    assert len(finished) == 2
+    assert len(finished) == 2 * kept_pieces
 
 
 def test_bad_save_logits_setting_is_an_error(monkeypatch):
@@ -200,17 +212,106 @@ def test_bad_save_logits_setting_is_an_error(monkeypatch):
         linear_logp(leaves[0], leaves[1], ids, leaves[2])
 
 
+def _weight_grad_budget(T, H, V, dtype, chunks):
+    """A budget whose plan keeps every column in the weight gradient and runs ``chunks`` chunks."""
+    block_v = op_module._tile_config(dtype).block_v
+    return _budget(T, H, V, dtype, -(-V // chunks // block_v) * block_v, in_weight_grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_kept_in_the_weight_gradient(monkeypatch, dtype):
+    """Where the budget cannot hold the logits and the weight needs a gradient (T <= H), the forward
+    keeps them all in the weight gradient's buffer (transposed rows) and the backward returns that
+    buffer as dW: log-probs identical to the budget path's (the setting off), gradients within the
+    tolerances of the fp32 reference, several chunks, and ``weight.grad`` is the buffer the forward
+    allocated."""
+    T, H, V = 24, 40, ODD_VOCAB
+    budget = _weight_grad_budget(T, H, V, dtype, chunks=3)
+    plan = _plan_of(T, H, V, dtype, budget, weight_grad=True)
+    assert plan.in_weight_grad and plan.saved_cols == V and plan.workspace <= budget
+    assert len(op_module._even_chunks(0, V, plan.buffer_cols, op_module._tile_config(dtype).block_v)) == 3
+    assert _plan_of(T, H, V, dtype, budget).saved_cols < V, "without the weight gradient, not all fit"
+    leaves, ids = _inputs(dtype, T=T, H=H, V=V, seed=5)
+    hidden, weight, bias = leaves
+    ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
+    logp = linear_logp(hidden, weight, ids, bias, 0.7, workspace_bytes=budget)
+    buffer_ptr = logp.grad_fn.saved_logits.weight_grad.data_ptr()  # no reference kept: autograd may adopt it
+    logp.backward(torch.linspace(-1.0, 2.0, T, device=logp.device))
+    assert weight.grad.data_ptr() == buffer_ptr, "dW must be the buffer the forward kept the logits in"
+    grads = [t.grad for t in leaves]
+    assert_linear_logp_close(logp.detach(), grads, ref_logp, ref_grads, dtype)
+    monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "0")
+    off_logp, off_grads = _grads(functools.partial(linear_logp, workspace_bytes=budget), leaves, ids, 0.7)
+    assert torch.equal(off_logp, logp.detach()), "where the logits are kept must not change the log-probs"
+    for name, got, other in zip(("hidden", "weight", "bias"), grads, off_grads):
+        tolerances.assert_close(got.float(), other.float(), "linear_logp.grad", dtype, name=f"grad of {name} vs the budget path")
+
+
+@pytest.mark.parametrize("case", ["weight_without_grad", "setting_off", "tokens_over_hidden"])
+def test_logits_stay_in_the_budget_where_the_weight_gradient_cannot_hold_them(monkeypatch, case):
+    """The budget path (some columns kept, the rest recomputed) where the weight needs no gradient,
+    where RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD=0 opts out, and where T > H (q would not fit in dW)."""
+    T, H, V = (48, 40, ODD_VOCAB) if case == "tokens_over_hidden" else (24, 40, ODD_VOCAB)
+    dtype = torch.bfloat16
+    budget = _budget(T, H, V, dtype, 2 * op_module._tile_config(dtype).block_v)
+    leaves, ids = _inputs(dtype, T=T, H=H, V=V, seed=6)
+    if case == "weight_without_grad":
+        leaves[1].requires_grad_(False)
+    if case == "setting_off":
+        monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "0")
+    ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
+    logp, grads = _grads(functools.partial(linear_logp, workspace_bytes=budget), leaves, ids, 0.7)
+    with torch.enable_grad():
+        again = linear_logp(*leaves[:2], ids, leaves[2], 0.7, workspace_bytes=budget)
+    saved = again.grad_fn.saved_logits
+    assert saved.weight_grad is None and 0 < saved.cols < V, f"{case}: the budget path keeps some columns"
+    # without the weight's gradient: those of hidden and bias only
+    names = ("hidden", "bias") if case == "weight_without_grad" else ("hidden", "weight", "bias")
+    assert len(grads) == len(names)
+    tolerances.assert_close(logp, ref_logp, "linear_logp", dtype, name="logp")
+    for name, got, want in zip(names, grads, ref_grads):
+        tolerances.assert_close(got.float(), want.to(dtype).float(), "linear_logp.grad", dtype, name=f"grad of {name}")
+
+
+def test_default_budget_keeps_every_logit_in_the_weight_gradient_at_the_issue_shape(monkeypatch):
+    """At T = H = 4096, V = 151936 the default 256 MB budget, with the weight's gradient computed,
+    keeps every column (three products) within 256 MB; opted out, or without dW, the budget path."""
+    T, H, V = ISSUE_SHAPE
+    default = op_module._plan(*ISSUE_SHAPE, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES, explicit=False,
+                              save=True, tp=False, weight_grad=True, interpreted=False)
+    assert default.in_weight_grad and default.saved_cols == V and default.dh32
+    assert default.workspace <= op_module.DEFAULT_WORKSPACE_BYTES
+    assert op_module.kept_vocab_columns(T, H, V, torch.bfloat16) == V
+    assert op_module.kept_vocab_columns(T, H, V, torch.bfloat16, weight_grad=False) < V
+    assert op_module.planned_workspace_bytes(T, H, V, torch.bfloat16) <= op_module.DEFAULT_WORKSPACE_BYTES
+    # a budget that holds every logit in the workspace still keeps them in the weight gradient
+    # (faster on an H200: 23.2 against 24.2-24.4 ms), the budget sizing two chunks
+    roomy = op_module._plan(*ISSUE_SHAPE, torch.bfloat16, int(T * V * 2 * 1.02), explicit=True, save=True, tp=False,
+                            weight_grad=True, interpreted=False)
+    assert roomy.in_weight_grad and len(op_module._even_chunks(0, V, roomy.buffer_cols, 256)) == 2
+    monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "0")
+    assert op_module.kept_vocab_columns(T, H, V, torch.bfloat16) < V
+
+
+def test_bad_keep_in_weight_grad_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "maybe")
+    leaves, ids = _inputs(torch.float32, T=8, H=16, V=40)
+    with pytest.raises(ValueError, match=op_module.KEEP_IN_WEIGHT_GRAD_ENV):
+        linear_logp(leaves[0], leaves[1], ids, leaves[2])
+
+
 ISSUE_SHAPE = (4096, 4096, 151936)
 
 
-def _issue_plan(budget, explicit=True):
+def _issue_plan(budget, explicit=True, weight_grad=False):
     return op_module._plan(*ISSUE_SHAPE, torch.bfloat16, budget, explicit=explicit, save=True, tp=False,
-                           interpreted=False)
+                           weight_grad=weight_grad, interpreted=False)
 
 
 def test_workspace_plans_at_the_issue_shape():
-    """Default 256 MB: some columns kept, the rest in even chunks of the same buffer, within budget;
-    a budget of the bf16 logits' size keeps > 90% of them; ~2% more keeps all (no fp32 dH buffer)."""
+    """Without the weight gradient's buffer (no dW, or opted out): default 256 MB: some columns kept,
+    the rest in even chunks of the same buffer, within budget; a budget of the bf16 logits' size keeps
+    > 90% of them; ~2% more keeps all (no fp32 dH buffer)."""
     T, H, V = ISSUE_SHAPE
     default = _issue_plan(op_module.DEFAULT_WORKSPACE_BYTES, explicit=False)
     assert default.workspace <= op_module.DEFAULT_WORKSPACE_BYTES and default.dh32
@@ -221,7 +322,7 @@ def test_workspace_plans_at_the_issue_shape():
     assert logits_size.workspace <= T * V * 2 and logits_size.saved_cols >= 0.9 * V
     everything = _issue_plan(int(T * V * 2 * 1.02))
     assert everything.saved_cols == V and not everything.dh32
-    assert op_module.kept_vocab_columns(T, H, V, torch.bfloat16, int(T * V * 2 * 1.02)) == V
+    assert op_module.kept_vocab_columns(T, H, V, torch.bfloat16, int(T * V * 2 * 1.02), weight_grad=False) == V
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "256MB"])
@@ -242,7 +343,7 @@ def test_workspace_setting(monkeypatch):
     to it like an explicit one); a bad value names the setting."""
     T, H, V = ISSUE_SHAPE
     monkeypatch.setenv(op_module.WORKSPACE_ENV, str(T * V * 2))
-    assert op_module.planned_workspace_bytes(T, H, V, torch.bfloat16) == _issue_plan(T * V * 2).workspace
+    assert op_module.planned_workspace_bytes(T, H, V, torch.bfloat16) == _issue_plan(T * V * 2, weight_grad=True).workspace
     monkeypatch.setenv(op_module.WORKSPACE_ENV, "1000")
     with pytest.raises(ValueError, match="below"):
         op_module.planned_workspace_bytes(T, H, V, torch.bfloat16)
