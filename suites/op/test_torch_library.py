@@ -123,19 +123,20 @@ def _opcheck_samples(x: dict[str, torch.Tensor]) -> dict[str, tuple]:
     grad = lambda t: t.detach().requires_grad_()
     config = (c.eps_clip, c.eps_clip_high, c.eps_clip_c, c.kl_loss_coef, c.kl_type, c.use_unbiased_kl, c.use_tis,
               c.tis_clip_low, c.tis_clip_high, c.reduction, c.gspo)
-    stats = torch.ops.rlk.logp(x["logits"], x["ids"], 0.7, -100, True)[1]
+    stats = torch.ops.rlk.logp(x["logits"], x["ids"], 0.7, -100, None, True)[1]
     dlogits = torch.ops.rlk.grpo_loss(x["logits"], x["ids"], x["old_logp"], x["ref_logp"], x["advantages"],
-                                      x["mask"], x["lengths"], None, None, *config, 0.9, -100, True)[2]
+                                      x["mask"], x["lengths"], None, None, *config, 0.9, -100, None, True)[2]
     return {
-        "logp": (grad(x["logits"]), x["ids"], 0.7, -100, True),
-        "logp_backward": (x["grad"], x["logits"], x["ids"], stats, 0.7, -100),
+        "logp": (grad(x["logits"]), x["ids"], 0.7, -100, None, True),
+        "logp_backward": (x["grad"], x["logits"], x["ids"], stats, 0.7, -100, None),
         "ratio_kl": (grad(x["logp"]), x["old_logp"], x["ref_logp"], x["mask"], "k3", True),
         "ratio_kl_backward": (x["grad"], x["grad"] * 2, x["logp"], x["old_logp"], x["ref_logp"], x["mask"], "k3", True),
         "grpo_loss": (grad(x["logits"]), x["ids"], x["old_logp"], x["ref_logp"], x["advantages"], x["mask"],
-                      x["lengths"], None, None, *config, 0.9, -100, True),
+                      x["lengths"], None, None, *config, 0.9, -100, None, True),
         "grpo_loss_backward": (torch.tensor(0.5, device=DEVICE), dlogits),
-        "linear_logp": (grad(x["hidden"]), grad(x["weight"]), grad(x["bias"]), x["ids"], 0.9),
-        "linear_logp_backward": (x["grad"], x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, True, True, True),
+        "linear_logp": (grad(x["hidden"]), grad(x["weight"]), grad(x["bias"]), x["ids"], 0.9, None, 0, V, None),
+        "linear_logp_backward": (x["grad"], x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, None, 0, V, None,
+                                 True, True, True),
     }
 
 
