@@ -23,7 +23,14 @@ from __future__ import annotations
 import torch
 
 from kernels.contracts import LinearLogpCall
-from kernels.library.serve import check_values, recomputed_grads, registered_name, serving, tp_fields, trusted
+from kernels.library.serve import (
+    check_values,
+    recomputed_grads,
+    registered_name,
+    serving,
+    tp_fields,
+    trusted,
+)
 
 
 def _call(hidden, weight, bias, target_ids, temperature: float, group: str | None, vocab_start: int,

@@ -8,7 +8,8 @@ dlogits tensor; with ``inplace_backward`` none. ``rlk`` is the default path (the
 kernel where it applies), timed as a plain call with default settings (the ids and lengths checked
 by the kernels, no host sync): its wall time gates, its CUDA-graph replay is recorded beside it.
 Labelled variants, never gated: ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place
-backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``).
+backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``),
+``compiled_ops`` the public call under ``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py).
 """
 
 from __future__ import annotations
@@ -139,3 +140,9 @@ def test_bench_grpo_loss_small_launch_bound(rlk_metrics, num_tokens):
 
     measure(rlk_metrics, OURS, ours, 2 * num_tokens * 151936 * 2, tags, memory=False, graph=True)
     record_host_overhead(rlk_metrics, ours, tags)
+
+    def compiled_ours(f):
+        loss, _ = f(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, 2 * num_tokens * 151936 * 2, tags, memory=False)
