@@ -13,9 +13,13 @@ returns ``dlogits`` for a gradient of 1 (the residual; ``T' = T``, else 0): ever
 backward, the one-read kernel's (which writes dlogits while it reads the logits) included, at the
 cost the eager call pays, and the same [T, V] memory. rlk-triton's split (its fused paths) runs its
 kernels directly (``kernels.ops.grpo_loss.grpo_loss_unit_grad``); every other case
-differentiates the backend's implementation inside the operator (one more autograd engine run). The backward scales it by the incoming
-gradient: ``grad_loss * dlogits``, the same bits as the eager backward when ``grad_loss == 1``
-(``loss.backward()``); for another value, one rounding of the logits dtype from it.
+differentiates the backend's implementation inside the operator (one more autograd engine run).
+The backward scales it by the incoming gradient: ``grad_loss * dlogits``, the same bits as the
+eager backward when ``grad_loss == 1`` (``loss.backward()``); for another value, one rounding of
+the logits dtype from it. It costs one pass over [T, V] that the eager call skips for
+``grad_loss == 1``; skipping it needs the backward to scale the forward's dlogits in place, and
+an operator whose backward mutates one of its forward's outputs fails AOTAutograd's partition
+(``torch.library.opcheck``) wherever that output is also returned.
 
 ``group_name``: the vocab-parallel group's registered name (``tp_group.group_name``), or None.
 

@@ -117,5 +117,5 @@ def needs_grad(*tensors: torch.Tensor | None) -> list[bool]:
     return [on and t is not None and t.requires_grad for t in tensors]
 
 
-__all__ = ["autograd_inside", "check_values", "needs_grad", "recomputed_grads", "registered_name", "serving", "tp_fields",
-           "trusted"]
+__all__ = ["autograd_inside", "check_values", "needs_grad", "recomputed_grads", "registered_name", "serving",
+           "tp_fields", "trusted"]

@@ -377,7 +377,8 @@ def test_private_torch_apis_work(tmp_path):
     import torch.distributed.distributed_c10d as c10d
 
     assert hasattr(c10d, "_resolve_process_group"), (
-        "torch.distributed.distributed_c10d._resolve_process_group is gone: kernels/library/torch_internals.process_group")
+        "torch.distributed.distributed_c10d._resolve_process_group is gone: "
+        "kernels/library/torch_internals.process_group")
     x = torch.randn(5)
     assert torch.equal(torch.ops.rlk_test.sin_grad_inside(x), x.cos()), "autograd_inside records nothing"
     mp.spawn(_process_group_worker, args=(1, _free_port(), str(tmp_path)), nprocs=1, join=True)
