@@ -4,8 +4,9 @@
 rlk::ratio_kl(logp fp32 [T], old_logp [T], ref_logp [T], mask [T], kl_type, use_unbiased_kl) -> (ratio fp32 [T], kl fp32 [T])
 rlk::ratio_kl_backward(grad_ratio [T], grad_kl [T], logp, old_logp, ref_logp, mask, kl_type, use_unbiased_kl) -> dlogp fp32 [T]
 
-Every backend runs the generic split (kernels/library/serve.py): the backward recomputes the
-forward, T elements, which costs one small launch.
+rlk-triton's split: the forward kernel, and the backward kernel from the saved inputs (its own
+backward). Other backends run the generic split (kernels/library/serve.py): the backward
+recomputes the forward with autograd, T elements.
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ import torch
 
 from kernels.contracts import RatioKLCall
 from kernels.library.serve import recomputed_grads, serving, trusted
+
+
+def _triton_backward(call: RatioKLCall, grad_ratio: torch.Tensor, grad_kl: torch.Tensor) -> torch.Tensor:
+    from kernels.ops.ratio_kl import kl_type_code, ratio_kl_backward
+
+    return ratio_kl_backward(call.logp.contiguous(), call.old_logp.contiguous(), call.ref_logp.contiguous(),
+                             call.mask.contiguous(), grad_ratio, grad_kl, kl_type_code(call.kl_type),
+                             call.use_unbiased_kl)
+
+
+# backend id -> backward(call, grad_ratio, grad_kl) -> dlogp (the forward is the backend's own:
+# an operator's inputs never require grad inside it, so it records nothing)
+BACKWARD_SPLITS = {"rlk-triton": _triton_backward}
 
 
 def _call(logp, old_logp, ref_logp, mask, kl_type: str, use_unbiased_kl: bool) -> RatioKLCall:
@@ -39,7 +53,10 @@ def ratio_kl_backward(grad_ratio: torch.Tensor, grad_kl: torch.Tensor, logp: tor
                       ref_logp: torch.Tensor, mask: torch.Tensor, kl_type: str,
                       use_unbiased_kl: bool) -> torch.Tensor:
     call = _call(logp, old_logp, ref_logp, mask, kl_type, use_unbiased_kl)
-    _, impl = serving("ratio_kl", call)
+    backend, impl = serving("ratio_kl", call)
+    split = BACKWARD_SPLITS.get(backend)
+    if split is not None:
+        return split(call, grad_ratio, grad_kl)
 
     def forward(leaf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return impl(_call(leaf, old_logp, ref_logp, mask, kl_type, use_unbiased_kl))
@@ -76,4 +93,4 @@ def ratio_kl_op(call: RatioKLCall) -> tuple[torch.Tensor, torch.Tensor]:
                                   call.use_unbiased_kl)
 
 
-__all__ = ["ratio_kl_backward", "ratio_kl_forward", "ratio_kl_op"]
+__all__ = ["BACKWARD_SPLITS", "ratio_kl_backward", "ratio_kl_forward", "ratio_kl_op"]

@@ -12,14 +12,17 @@ a *split* for an op (kernels/library/<op>.py names them: the forward returns the
 residuals its backward reads), and any other backend runs the generic split here: the forward
 without autograd, the backward recomputing the forward with autograd and differentiating it
 (:func:`recomputed_grads`), which gives the bits of the backend's own backward at the cost of one
-more forward. Residuals have one layout per op whatever the backend (the fake implementation
-states it without knowing who serves the call).
+more forward (autograd recorded inside the operator: kernels/library/torch_internals.py).
+Residuals have one layout per op whatever the backend (the fake implementation states it without
+knowing who serves the call).
+
+Vocab-parallel calls: an operator takes the process group by its registered name
+(:func:`registered_name`, as PyTorch's functional collectives do); :func:`tp_fields` resolves it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from typing import Any, TypeVar
 
@@ -27,6 +30,7 @@ import torch
 
 from kernels import backends, device_errors, dispatch
 from kernels.contracts import checks
+from kernels.library.torch_internals import autograd_inside, process_group
 
 C = TypeVar("C")
 
@@ -72,23 +76,6 @@ def trusted(call_type: type[C], **values: Any) -> C:
     return call
 
 
-_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
-                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
-                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
-
-
-@contextlib.contextmanager
-def autograd_inside() -> Iterator[None]:
-    """Autograd recording inside an operator's implementation, which runs below the autograd keys
-    (the dispatcher excludes them there): the generic split differentiates the backend's own
-    autograd graph. Every other excluded key stays excluded."""
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    included = torch._C._dispatch_tls_local_include_set()
-    with torch._C._ForceDispatchKeyGuard(included, excluded - _AUTOGRAD_KEYS), torch.enable_grad():
-        yield
-
-
 def recomputed_grads(
     run: Callable[..., Any], primals: Sequence[torch.Tensor | None], needs: Sequence[bool],
     grad_outputs: Sequence[torch.Tensor],
@@ -112,10 +99,23 @@ def recomputed_grads(
     return grads
 
 
+def registered_name(group: torch.distributed.ProcessGroup | None) -> str | None:
+    """What an operator's schema takes for a process group: its registered name, or None
+    (kernels/library/torch_internals.py resolves it back)."""
+    return None if group is None else group.group_name
+
+
+def tp_fields(group_name: str | None) -> dict[str, Any]:
+    """A call's ``tp_group`` and ``tp_world`` for an operator's ``group_name`` argument."""
+    group = process_group(group_name)
+    return {"tp_group": group, "tp_world": 1 if group is None else torch.distributed.get_world_size(group)}
+
+
 def needs_grad(*tensors: torch.Tensor | None) -> list[bool]:
     """Which inputs the caller differentiates (an operator's inputs never require grad inside it)."""
     on = torch.is_grad_enabled()
     return [on and t is not None and t.requires_grad for t in tensors]
 
 
-__all__ = ["autograd_inside", "check_values", "needs_grad", "recomputed_grads", "serving", "trusted"]
+__all__ = ["autograd_inside", "check_values", "needs_grad", "recomputed_grads", "registered_name", "serving",
+           "tp_fields", "trusted"]

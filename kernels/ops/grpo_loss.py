@@ -532,3 +532,32 @@ def f32(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 grpo_loss = entry_point(GrpoLossCall, grpo_loss_call, name="grpo_loss", checks_values=True)
+
+
+class _ContextOutsideAutograd:
+    """The part of an autograd context GrpoLossFunction's forward and backward use, so that
+    :func:`grpo_loss_unit_grad` can call them directly, without autograd."""
+
+    def __init__(self, needs_grad: bool) -> None:
+        self.needs_input_grad = (needs_grad, False)
+        self.saved_tensors: tuple[torch.Tensor, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+
+def grpo_loss_unit_grad(call: GrpoLossCall, unit_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss fp32 [], metrics fp32 [4] in METRIC_NAMES order, dlogits [T, V] for a loss gradient of
+    1 or None) of a fused-path call (no GSPO, no ``tp_group``, no ``inplace_backward``), without
+    autograd: GrpoLossFunction's forward, then with ``unit_grad`` its backward at grad_output 1
+    (the one-read kernel's dlogits as written, or the dlogits kernel), the eager call's bits.
+    The PyTorch operator's forward (kernels/library/grpo_loss.py) returns these."""
+    ctx = _ContextOutsideAutograd(unit_grad)
+    loss, metrics = GrpoLossFunction.forward(ctx, call.logits, call)
+    if not unit_grad:
+        return loss, metrics, None
+    dlogits, _ = GrpoLossFunction.backward(ctx, torch.ones((), dtype=torch.float32, device=loss.device), None)
+    return loss, metrics, dlogits

@@ -178,16 +178,21 @@ class RatioKLFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_ratio, g_kl):  # type: ignore[override]
-        logp, old_logp, ref_logp, mask = ctx.saved_tensors
-        g_ratio = torch.zeros_like(logp) if g_ratio is None else g_ratio.contiguous()
-        g_kl = torch.zeros_like(logp) if g_kl is None else g_kl.contiguous()
-        grad = torch.empty_like(logp)
-        n = logp.shape[0]
-        _BWD.launch(
-            _grid(n), logp, old_logp, ref_logp, mask, g_ratio, g_kl, grad, n,
-            BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=ctx.kl_code, UNBIASED=ctx.unbiased,
-        )
+        grad = ratio_kl_backward(*ctx.saved_tensors, g_ratio, g_kl, ctx.kl_code, ctx.unbiased)
         return grad, None, None, None, None, None
+
+
+def ratio_kl_backward(logp, old_logp, ref_logp, mask, g_ratio, g_kl, kl_code: int, unbiased: bool) -> torch.Tensor:
+    """d/dlogp fp32 [T] from the forward's inputs (contiguous) and the outputs' gradients (None: zero)."""
+    g_ratio = torch.zeros_like(logp) if g_ratio is None else g_ratio.contiguous()
+    g_kl = torch.zeros_like(logp) if g_kl is None else g_kl.contiguous()
+    grad = torch.empty_like(logp)
+    n = logp.shape[0]
+    _BWD.launch(
+        _grid(n), logp, old_logp, ref_logp, mask, g_ratio, g_kl, grad, n,
+        BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased,
+    )
+    return grad
 
 
 def _host_path(logp, old_logp, ref_logp, mask, code: int, unbiased: bool):

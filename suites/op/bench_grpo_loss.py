@@ -8,7 +8,8 @@ dlogits tensor; with ``inplace_backward`` none. ``rlk`` is the default path (the
 kernel where it applies), timed as a plain call with default settings (the ids and lengths checked
 by the kernels, no host sync): its wall time gates, its CUDA-graph replay is recorded beside it.
 Labelled variants, never gated: ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place
-backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``).
+backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``),
+``compiled_ops`` the public call under ``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py).
 """
 
 from __future__ import annotations
@@ -148,3 +149,9 @@ def test_bench_grpo_loss_small_launch_bound(rlk_metrics, num_tokens):
     floor = host_overhead_blocks_us(lambda: torch.autograd.grad((x * 2).sum(), x))
     rlk_metrics.record("autograd_floor_host_us", min(floor), unit="us", direction="lower_is_better", space="time",
                        tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in floor)}, gate=False)
+
+    def compiled_ours(f):
+        loss, _ = f(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, 2 * num_tokens * 151936 * 2, tags, memory=False)

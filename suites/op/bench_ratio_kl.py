@@ -76,3 +76,5 @@ def test_bench_ratio_kl_small_launch_bound(rlk_metrics, num_tokens):
         # which path the host time is of: the C++ host path, or why not (kernels/ops/host/)
         record_host_overhead(rlk_metrics, lambda: ratio_kl(logp, old, ref, mask),
                              {**tags, "host_path": ratio_kl_op.host_path()})
+        measure_compiled(rlk_metrics, kernels.ratio_kl, lambda f: f(logp, old, ref, mask), 6 * 4 * num_tokens, tags,
+                         memory=False)

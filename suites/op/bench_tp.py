@@ -11,6 +11,8 @@ collectives), each between barriers, timed with CUDA events; the median is recor
   tp2:        logp(shard, tp_group=WORLD) forward + backward (the kernel + 3 all-reduces of T fp32)
   tp1_half:   logp(shard) forward + backward, no group (the same kernels on the same shard)
   allreduce:  the 3 all-reduces of T fp32 alone
+  tp2_compiled: the public call (``kernels.logp``, kernels on) under ``torch.compile(fullgraph=True)``,
+              the group passed to the operator by name: a labelled variant, never gated
 Speed is recorded, never asserted; tp2_ms gates against the platform's baseline.
 """
 
@@ -59,6 +61,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ["VIME_RL_KERNEL_CHECK_IDS"] = "0"  # the range check syncs; the op tests cover it
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.cuda.set_device(rank)
+    import kernels
     from kernels.ops.logp import logp
 
     group = dist.group.WORLD
@@ -74,6 +77,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         x = shard.detach().requires_grad_()
         logp(x, ids, tp_group=group).backward(upstream)
 
+    os.environ.update(VIME_RL_KERNEL="1", VIME_RL_KERNEL_STRICT="1")  # the compiled variant: the public call
+    compiled_logp = torch.compile(kernels.logp, fullgraph=True)
+
+    def tp2_compiled():
+        x = shard.detach().requires_grad_()
+        compiled_logp(x, ids, tp_group=group).backward(upstream)
+
     def tp1_half():
         x = shard.detach().requires_grad_()
         logp(x, local_ids).backward(upstream)
@@ -86,7 +96,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.all_reduce(stats[2], op=dist.ReduceOp.SUM, group=group)
 
     result = {"tp2_ms": _timed_ms(tp2, group), "tp1_half_ms": _timed_ms(tp1_half, group),
-              "allreduce_ms": _timed_ms(allreduce, group), "gpu": torch.cuda.get_device_name()}
+              "allreduce_ms": _timed_ms(allreduce, group), "tp2_compiled_ms": _timed_ms(tp2_compiled, group),
+              "gpu": torch.cuda.get_device_name()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     dist.barrier(group=group)
@@ -110,6 +121,9 @@ def test_bench_logp_tp2_vs_tp1_half_vocab(tmp_path, rlk_metrics):
                        tags=tags, gate=False)
     rlk_metrics.record("allreduce_3xT_ms", allreduce, unit="ms", direction="lower_is_better", space="time",
                        tags=tags, gate=False)
+    rlk_metrics.record("tp2_compiled_ms", max(r["tp2_compiled_ms"] for r in ranks), unit="ms",
+                       direction="lower_is_better", space="time", tags={**tags, "variant": "compiled_ops"},
+                       gate=False)
     rlk_metrics.record("tp2_over_tp1_plus_allreduce", ratio, direction="lower_is_better", space="ratio",
                        tags=tags, gate=False)
     print(f"\nTP={world} logp fwd+bwd fp32 [{T}, {V_LOCAL}]/rank on {ranks[0]['gpu']}: tp2 {tp2:.3f} ms, "

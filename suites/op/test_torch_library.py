@@ -5,6 +5,13 @@
   interpreter on CPU);
 * ``torch.compile(fullgraph=True)`` of each op, forward and backward, and of a training-style
   function calling all four: no graph break, the eager result bitwise;
+* rlk-triton's splits: no autograd run inside its operators (for ``linear_logp``, still the
+  generic split);
+* vocab-parallel calls (the group passed by name) in real gloo processes, world size 1 and 2:
+  fullgraph, the eager bits;
+* ``grpo_loss(inplace_backward=True)`` under compile: a graph break that names its reason, and
+  a warning, with the eager semantics (the logits buffer holds dlogits);
+* the private PyTorch APIs the operators use (kernels/library/torch_internals.py) still work;
 * the dispatch inside compiled code: fallbacks counted per call, strict mode raising;
 * on a GPU: each op's forward and backward captured in a CUDA graph and replayed (default
   configuration and kernels on), eager and compiled.
@@ -14,19 +21,29 @@ Shapes are tiny: the point is the operator plumbing; the ops' values are the par
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import kernels
 import kernels.library  # registers torch.ops.rlk.*
 from kernels.contracts import LossConfig
+from kernels.library import grpo_loss as grpo_loss_library
+from kernels.library import logp as logp_library
+from kernels.library import ratio_kl as ratio_kl_library
+from kernels.library import torch_internals
 from suites.op.rlk_op_cases import DEVICE
 
 T, V, H = 6, 37, 8
 CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01)
 BACKENDS = ("reference", "rlk-triton")
+SWITCHES = ("VIME_RL_KERNEL", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_OPS", "VIME_RL_KERNEL_BACKEND")
+KERNELS_ON = {"VIME_RL_KERNEL": "1", "VIME_RL_KERNEL_STRICT": "1"}
 
 
 @pytest.fixture(autouse=True)
@@ -39,11 +56,11 @@ def _dynamo_enabled():
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """Every switch cleared (the default: the reference), or the kernels on, strict."""
-    for name in ("VIME_RL_KERNEL", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_OPS", "VIME_RL_KERNEL_BACKEND"):
+    for name in SWITCHES:
         monkeypatch.delenv(name, raising=False)
     if request.param == "rlk-triton":
-        monkeypatch.setenv("VIME_RL_KERNEL", "1")
-        monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+        for name, value in KERNELS_ON.items():
+            monkeypatch.setenv(name, value)
     kernels.reset_fallback_counts()
     yield request.param
     assert kernels.fallback_counts() == {}
@@ -123,19 +140,20 @@ def _opcheck_samples(x: dict[str, torch.Tensor]) -> dict[str, tuple]:
     grad = lambda t: t.detach().requires_grad_()
     config = (c.eps_clip, c.eps_clip_high, c.eps_clip_c, c.kl_loss_coef, c.kl_type, c.use_unbiased_kl, c.use_tis,
               c.tis_clip_low, c.tis_clip_high, c.reduction, c.gspo)
-    stats = torch.ops.rlk.logp(x["logits"], x["ids"], 0.7, -100, True)[1]
+    stats = torch.ops.rlk.logp(x["logits"], x["ids"], 0.7, -100, None, True)[1]
     dlogits = torch.ops.rlk.grpo_loss(x["logits"], x["ids"], x["old_logp"], x["ref_logp"], x["advantages"],
-                                      x["mask"], x["lengths"], None, None, *config, 0.9, -100, True)[2]
+                                      x["mask"], x["lengths"], None, None, *config, 0.9, -100, None, True)[2]
     return {
-        "logp": (grad(x["logits"]), x["ids"], 0.7, -100, True),
-        "logp_backward": (x["grad"], x["logits"], x["ids"], stats, 0.7, -100),
+        "logp": (grad(x["logits"]), x["ids"], 0.7, -100, None, True),
+        "logp_backward": (x["grad"], x["logits"], x["ids"], stats, 0.7, -100, None),
         "ratio_kl": (grad(x["logp"]), x["old_logp"], x["ref_logp"], x["mask"], "k3", True),
         "ratio_kl_backward": (x["grad"], x["grad"] * 2, x["logp"], x["old_logp"], x["ref_logp"], x["mask"], "k3", True),
         "grpo_loss": (grad(x["logits"]), x["ids"], x["old_logp"], x["ref_logp"], x["advantages"], x["mask"],
-                      x["lengths"], None, None, *config, 0.9, -100, True),
+                      x["lengths"], None, None, *config, 0.9, -100, None, True),
         "grpo_loss_backward": (torch.tensor(0.5, device=DEVICE), dlogits),
-        "linear_logp": (grad(x["hidden"]), grad(x["weight"]), grad(x["bias"]), x["ids"], 0.9),
-        "linear_logp_backward": (x["grad"], x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, True, True, True),
+        "linear_logp": (grad(x["hidden"]), grad(x["weight"]), grad(x["bias"]), x["ids"], 0.9, None, 0, V, None),
+        "linear_logp_backward": (x["grad"], x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, None, 0, V, None,
+                                 True, True, True),
     }
 
 
@@ -182,6 +200,189 @@ def test_training_step_fullgraph(backend):
     compiled = run_with_grads(torch.compile(_training_step, fullgraph=True), x, wrt)
     assert_bitwise(eager[0], compiled[0])
     assert_bitwise(eager[1], compiled[1])
+
+
+# -- rlk-triton's splits ------------------------------------------------------------------------------
+
+def _generic_split_forbidden(*args, **kwargs):
+    raise AssertionError("the generic split (an autograd run inside the operator) served an rlk-triton call")
+
+
+@pytest.mark.parametrize("op", ["logp", "ratio_kl", "grpo_loss"])
+def test_rlk_triton_splits_run_no_autograd_inside(op, monkeypatch):
+    """rlk-triton's logp, ratio_kl and grpo_loss operators run their kernels directly, forward and
+    backward (no recomputed forward, no nested autograd engine run), for the eager bits."""
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in KERNELS_ON.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(logp_library, "recomputed_grads", _generic_split_forbidden)
+    monkeypatch.setattr(ratio_kl_library, "recomputed_grads", _generic_split_forbidden)
+    monkeypatch.setattr(grpo_loss_library, "autograd_inside", _generic_split_forbidden)
+    wrt, fn = OPS[op]
+    x = inputs(seed=5)
+    try:
+        eager = run_with_grads(fn, x, wrt)
+        compiled = run_with_grads(torch.compile(fn, fullgraph=True), x, wrt)
+    finally:
+        torch._dynamo.reset()
+    assert_bitwise(eager[0], compiled[0])
+    assert_bitwise(eager[1], compiled[1])
+
+
+# -- vocab-parallel calls: the group by name -------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_inputs(world: int, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's shard of a batch over a vocab of V * world: logits and LM-head rows (and bias)
+    of columns [rank * V, (rank + 1) * V), the ids global (some on the other shards)."""
+    full = {k: torch.cat([inputs(seed=10 + r)[k] for r in range(world)]) for k in ("weight", "bias")}
+    x = inputs(seed=10)
+    columns = slice(rank * V, (rank + 1) * V)
+    x["logits"] = torch.cat([inputs(seed=10 + r)["logits"] for r in range(world)], dim=1)[:, columns].contiguous()
+    x["weight"], x["bias"] = full["weight"][columns].contiguous(), full["bias"][columns].contiguous()
+    x["ids"] = torch.randint(0, V * world, (T,), generator=_gen(20))
+    x["ids"][2] = -100
+    return x
+
+
+def _tp_step(x, group):
+    """logp, linear_logp and the GRPO loss of this rank's shard over ``group``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    logp = kernels.logp(x["logits"], x["ids"], 0.7, tp_group=group)
+    logp_h = kernels.linear_logp(x["hidden"], x["weight"], x["ids"], x["bias"], 0.9, tp_group=group,
+                                 vocab_start=rank * V, global_vocab=world * V)
+    loss, metrics = kernels.grpo_loss(x["logits"], x["ids"], old_logp=x["old_logp"], ref_logp=x["ref_logp"],
+                                      advantages=x["advantages"], loss_mask=x["mask"], lengths=x["lengths"],
+                                      config=CONFIG, temperature=0.9, tp_group=group)
+    return loss, logp, logp_h, metrics["pg_clipfrac"]
+
+
+def _tp_compiled_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Per backend: the graph breaks of the step over a new group and whether compiled == eager bitwise."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))  # not the default group: its name must resolve
+    wrt = ("logits", "hidden", "weight", "bias")
+    results = {}
+    for backend in BACKENDS:
+        for name in SWITCHES:
+            os.environ.pop(name, None)
+        if backend == "rlk-triton":
+            os.environ.update(KERNELS_ON)
+
+        def step(x):
+            return _tp_step(x, group)
+
+        x = _tp_inputs(world, rank)
+        eager = run_with_grads(step, x, wrt)
+        explanation = torch._dynamo.explain(step)(x)
+        compiled = run_with_grads(torch.compile(step, fullgraph=True), x, wrt)
+        torch._dynamo.reset()
+        differ = [i for i, (u, v) in enumerate(zip(eager[0] + eager[1], compiled[0] + compiled[1], strict=True))
+                  if not torch.equal(u, v)]
+        results[backend] = {"breaks": explanation.graph_break_count, "reasons": str(explanation.break_reasons),
+                            "differ": differ, "fallbacks": kernels.fallback_counts()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo/interpreter lane is the CPU lane")
+@pytest.mark.parametrize("world", [1, 2])
+def test_vocab_parallel_calls_compile_fullgraph(world, tmp_path, rlk_progress):
+    """logp, linear_logp and grpo_loss with a ``tp_group`` (passed to the operators by name):
+    one graph, the eager outputs and gradients bitwise, on every rank, reference and rlk-triton."""
+    with rlk_progress.step(f"{world} gloo rank process(es): eager vs torch.compile(fullgraph)"):
+        mp.spawn(_tp_compiled_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for backend in BACKENDS:
+            found = results[backend]
+            assert found["breaks"] == 0, (rank, backend, found["reasons"])
+            assert found["differ"] == [], f"rank {rank} {backend}: outputs/gradients {found['differ']} differ"
+            assert found["fallbacks"] == {}, (rank, backend, found["fallbacks"])
+
+
+# -- inplace_backward under torch.compile ------------------------------------------------------------
+
+def _grpo_inplace(x):
+    advantages = x["advantages"] * 0.5  # a graph before the break (explain records breaks between graphs)
+    loss, metrics = kernels.grpo_loss(x["logits"], x["ids"], old_logp=x["old_logp"], ref_logp=x["ref_logp"],
+                                      advantages=advantages, loss_mask=x["mask"], lengths=x["lengths"],
+                                      config=CONFIG, inplace_backward=True)
+    return loss * 1.0, metrics["pg_clipfrac"]
+
+
+def test_inplace_backward_graph_break_is_reported(backend, caplog):
+    """``inplace_backward=True`` cannot live in a compiled graph: the break names the option (an
+    error under fullgraph), a warning says so, and the call keeps its eager semantics (the
+    gradient is the logits buffer, overwritten with dlogits)."""
+    explanation = torch._dynamo.explain(_grpo_inplace)(inputs())
+    assert explanation.graph_break_count >= 1
+    assert any("inplace_backward" in str(reason) for reason in explanation.break_reasons), explanation.break_reasons
+    with pytest.raises(Exception, match="inplace_backward"):
+        torch.compile(_grpo_inplace, fullgraph=True)(inputs())
+    torch._dynamo.reset()
+    grpo_loss_library._inplace_warned.clear()
+
+    def run(fn):
+        x = inputs()
+        logits = x["logits"].detach().clone().requires_grad_()
+        outputs = fn({**x, "logits": logits})
+        (grad,) = torch.autograd.grad(outputs[0], logits)
+        return [o.detach() for o in outputs], grad, logits
+
+    eager_out, eager_grad, eager_logits = run(_grpo_inplace)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        out, grad, logits = run(torch.compile(_grpo_inplace))
+    warned = [r.getMessage() for r in caplog.records if "inplace_backward=True" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert_bitwise(eager_out, out)
+    assert_bitwise([eager_grad], [grad])
+    if backend == "rlk-triton":  # the reference never writes its inputs (the contract lets it ignore the option)
+        assert grad.data_ptr() == logits.data_ptr()
+        assert_bitwise([eager_logits.detach()], [logits.detach()])
+
+
+# -- the private PyTorch APIs ------------------------------------------------------------------------
+
+@torch.library.custom_op("rlk_test::sin_grad_inside", mutates_args=())
+def _sin_grad_inside(x: torch.Tensor) -> torch.Tensor:
+    leaf = x.detach().requires_grad_()
+    with torch_internals.autograd_inside():
+        (grad,) = torch.autograd.grad(leaf.sin().sum(), leaf)
+    return grad
+
+
+def _process_group_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group([0])
+    found = torch_internals.process_group(group.group_name)
+    ok = found is not None and found.group_name == group.group_name and dist.get_world_size(found) == 1
+    torch.save({"ok": ok, "none": torch_internals.process_group(None) is None}, os.path.join(out_dir, "found.pt"))
+    dist.destroy_process_group()
+
+
+def test_private_torch_apis_work(tmp_path):
+    """Each private PyTorch API of kernels/library/torch_internals.py exists and does what the
+    operators need; a PyTorch release that drops or changes one fails here, naming it."""
+    for owner, name in ((torch._C, "_ForceDispatchKeyGuard"), (torch._C, "_dispatch_tls_local_exclude_set"),
+                        (torch._C, "_dispatch_tls_local_include_set")):
+        assert hasattr(owner, name), f"torch._C.{name} is gone: kernels/library/torch_internals.autograd_inside"
+    import torch.distributed.distributed_c10d as c10d
+
+    assert hasattr(c10d, "_resolve_process_group"), (
+        "torch.distributed.distributed_c10d._resolve_process_group is gone: "
+        "kernels/library/torch_internals.process_group")
+    x = torch.randn(5)
+    assert torch.equal(torch.ops.rlk_test.sin_grad_inside(x), x.cos()), "autograd_inside records nothing"
+    mp.spawn(_process_group_worker, args=(1, _free_port(), str(tmp_path)), nprocs=1, join=True)
+    assert torch.load(tmp_path / "found.pt") == {"ok": True, "none": True}, "process_group(name) resolves wrong"
 
 
 # -- the dispatch inside compiled code ---------------------------------------------------------------
