@@ -21,6 +21,10 @@ def measure_compiled(rlk_metrics, op_fn: Callable[..., Any], run: Callable[[Call
                      bytes_moved: int, tags: dict[str, object], *, impl: str = COMPILED, **kwargs: Any) -> float:
     """Time ``run(torch.compile(op_fn, fullgraph=True))`` with the kernels on (strict: a fallback
     raises rather than time the reference), recorded as ``impl``; returns the median ms."""
+    # one op's public function is compiled by every case of a benchmark (dtypes, shapes, grad or
+    # not): each case starts from an empty compile cache, or dynamo's recompile limit (8 per code
+    # object) fails the ninth case of a run
+    torch.compiler.reset()
     compiled = torch.compile(op_fn, fullgraph=True)
     with mock.patch.dict(os.environ, KERNELS_ON):
         return measure(rlk_metrics, impl, lambda: run(compiled), bytes_moved,
