@@ -67,6 +67,12 @@ TABLE: dict[tuple[str, str, str], Tolerance] = _same_on_all_platforms(
         ("grpo_loss", "fp32"): Tolerance(1e-5, rtol=1e-6, source=_LOSS_SOURCE),
         ("grpo_loss", "bf16"): Tolerance(1e-5, rtol=1e-6, source=_LOSS_SOURCE + "; same fp32 math on upcast values"),
         ("grpo_loss", "fp16"): Tolerance(1e-5, rtol=1e-6, source=_LOSS_SOURCE + "; same fp32 math on upcast values"),
+        ("grpo_loss.weights", "fp32"): Tolerance(
+            0.0, rtol=1e-5, source="ours: a reduction weight m_t / (sum of m over its sample) in fp32; a 0/1 mask "
+            "sums integers (exact), a float mask's sum depends on the summation order: over n terms the two "
+            "orders differ by about sqrt(n) u relatively (u = 2^-24; 2.7e-6 at n = 2000), measured 1.17e-6 "
+            "on an H200 at n = 2000 (run 97)"
+        ),
         ("grpo_loss.grad", "fp32"): Tolerance(1e-6, source=OPS_ACCEPTANCE),
         ("grpo_loss.grad", "bf16"): Tolerance(0.0, ulp=1, source=OPS_ACCEPTANCE + " (dlogits within one ulp)"),
         ("grpo_loss.grad", "fp16"): Tolerance(0.0, ulp=1, source=OPS_ACCEPTANCE + " (dlogits within one ulp)"),
