@@ -296,6 +296,17 @@ def _grpo_dlogits_kernel(
                         sumexp_ptr, stride_row, stride_grad_row, vocab, ignore_index, temperature, BLOCK_V, SCALE)
 
 
+@triton.jit
+def _scale_kernel(src_ptr, dst_ptr, g_ptr, numel, BLOCK: tl.constexpr):
+    """dst = src * g: the product in fp32 (g an fp32 scalar read on the device), one rounding to
+    dst's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < numel
+    g = tl.load(g_ptr).to(tl.float32)
+    x = tl.load(src_ptr + offs, mask=keep).to(tl.float32)
+    tl.store(dst_ptr + offs, (x * g).to(dst_ptr.dtype.element_ty), mask=keep)
+
+
 REDUCE_BLOCK = 1024
 # _weighted_sums_kernel is one program: 4096 tokens per step over 16 warps keep enough loads in
 # flight that a large T takes one or two steps (docs/performance-notes.md)
@@ -304,6 +315,8 @@ _GRPO_LOSS = CachedLaunch(_grpo_loss_kernel)
 _TOKEN_WEIGHTS = CachedLaunch(_token_weights_kernel)
 _WEIGHTED_SUMS = CachedLaunch(_weighted_sums_kernel)
 _GRPO_DLOGITS = CachedLaunch(_grpo_dlogits_kernel)
+_SCALE_DLOGITS = CachedLaunch(_scale_kernel)
+SCALE_BLOCK, SCALE_WARPS = 4096, 8
 _HOST = HostModule("grpo_loss_one_read")
 _host_forward = None  # the host path's forward, once it holds a kernel (see _host_module)
 
@@ -338,6 +351,18 @@ def _token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, cu_seq
         (samples,), loss_mask, offsets, weights, word.tensor, num_tokens, samples, call_id,
         OFFSETS=kind, PER_TOKEN=reduction != "sum_of_sample_mean", BLOCK=REDUCE_BLOCK)
     return weights, native
+
+
+def scale_dlogits(dlogits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """``(dlogits.float() * grad_loss).to(dlogits.dtype)`` in one pass, without a host sync:
+    dlogits [T, V] (the unit gradient the operator's forward returned), grad_loss fp32 [] on its
+    device; a new contiguous tensor."""
+    out = torch.empty_like(dlogits, memory_format=torch.contiguous_format)
+    numel = dlogits.numel()
+    if numel:
+        _SCALE_DLOGITS.launch((triton.cdiv(numel, SCALE_BLOCK),), dlogits.contiguous(), out, grad_loss.reshape(1), numel,
+                      BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
+    return out
 
 
 def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
