@@ -205,5 +205,5 @@ def slowest_lines(run: RunRecord, *, after_s: float = SLOWEST_AFTER_S, count: in
     if elapsed is None or elapsed <= after_s or not run.tests:
         return []
     slowest = sorted(run.tests, key=lambda t: t.duration_s, reverse=True)[:count]
-    return [f"slowest {len(slowest)} tests (session {elapsed:.0f} s):"] + [
+    return [f"slowest {len(slowest)} tests (whole run {elapsed:.0f} s):"] + [
         f"  {t.duration_s:7.1f} s  {t.nodeid}" for t in slowest]

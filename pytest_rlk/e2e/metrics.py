@@ -76,7 +76,7 @@ GRAD_NORM_BAND = Band(rel=0.01, abs_floor=0.01, source="vime in-job CI: grad nor
 REPLAY_LOGPROB_BAND = Band(
     abs_floor=0.02, source="miles: logprob diff abs 0.02 (same samples replayed, so no relative part)"
 )
-FALLBACK_BAND = Band(source="issue 6: the kernel arm must not fall back (count exactly 0)")
+FALLBACK_BAND = Band(source="ours: the kernel arm must not fall back (count exactly 0)")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ imports (it needs ``nvidia-cutlass-dsl``). Times: ``pytest_rlk.timing.bench`` (C
 flushed, median); memory: ``peak_extra_memory`` (``<impl>_peak_extra_bytes`` beside each time; in
 the accuracy test minus the gradients the call returns).
 
-Speed is recorded, never asserted here: the goals (issue 19: forward at least as fast as the
+Speed is recorded, never asserted here: the goals (forward at least as fast as the
 fastest peer's, forward+backward <= 26 ms at the default budget and <= 21 ms at the logits' size on
 an H200) are read from the artifacts and gated by baselines. What gates is ``rlk_interleaved_ms``,
 the median of ROUNDS rounds in which ours and the peers are timed round-robin: the clock of these

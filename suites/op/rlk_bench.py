@@ -131,7 +131,7 @@ def record_host_overhead(rlk_metrics, fn: Callable[[], object], tags: dict[str, 
     host): the lowest of :func:`host_overhead_blocks_us`, every block median in the tags; returns it.
 
     Why the lowest block: the GPU machines' hosts are shared, and their speed comes in regimes that
-    last seconds (on the H100 host, run 33: every block median of ``logp`` at 12.6-13.5 us for a few
+    last seconds (on one H100 host: every block median of ``logp`` at 12.6-13.5 us for a few
     seconds, then 19.4-20.3 us, ``torch.empty`` alone 2.5 then 4.6 us). That only ever adds time,
     so, as ``timeit`` advises, the least disturbed block estimates what the call costs; the blocks
     are spread over ~2 s to meet more than one regime."""

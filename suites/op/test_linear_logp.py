@@ -53,7 +53,7 @@ def _grads(fn, leaves, ids, temperature, **kw):
 
 
 def assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype, rlk_metrics=None):
-    """logp vs the fp32 reference; grads vs the fp32 reference cast to the grads' dtype (issue 8)."""
+    """logp vs the fp32 reference; grads vs the fp32 reference cast to the grads' dtype."""
     assert logp.dtype == torch.float32
     result = tolerances.assert_close(logp, ref_logp, "linear_logp", dtype, name="logp")
     for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
