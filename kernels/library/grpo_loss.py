@@ -34,6 +34,7 @@ compiled graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -155,15 +156,15 @@ grpo_loss_forward.register_autograd(_backward, setup_context=_setup_context)
 def grpo_loss_inplace(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """An ``inplace_backward=True`` call, eager, under ``torch.compile``: a graph break (an error
     under ``fullgraph=True``) whose reason names the option, and a warning, once per process."""
-    if not _inplace_warned:
-        _inplace_warned.append(True)
-        logger.warning("kernels: grpo_loss(inplace_backward=True) under torch.compile runs eagerly, between two "
-                       "compiled graphs (a graph break): a compiled graph cannot overwrite the logits with "
-                       "their gradient; inplace_backward=False compiles into the graph")
+    _warn_inplace_under_compile()
     return dispatch.run("grpo_loss", call)
 
 
-_inplace_warned: list[bool] = []
+@functools.cache
+def _warn_inplace_under_compile() -> None:
+    logger.warning("kernels: grpo_loss(inplace_backward=True) under torch.compile runs eagerly, between two "
+                   "compiled graphs (a graph break): a compiled graph cannot overwrite the logits with "
+                   "their gradient; inplace_backward=False compiles into the graph")
 
 
 def grpo_loss_op(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

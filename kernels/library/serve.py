@@ -30,6 +30,7 @@ import torch
 
 from kernels import backends, device_errors, dispatch
 from kernels.contracts import checks
+from kernels.contracts.call import tp_world
 from kernels.library.torch_internals import autograd_inside, process_group
 
 C = TypeVar("C")
@@ -108,7 +109,7 @@ def registered_name(group: torch.distributed.ProcessGroup | None) -> str | None:
 def tp_fields(group_name: str | None) -> dict[str, Any]:
     """A call's ``tp_group`` and ``tp_world`` for an operator's ``group_name`` argument."""
     group = process_group(group_name)
-    return {"tp_group": group, "tp_world": 1 if group is None else torch.distributed.get_world_size(group)}
+    return {"tp_group": group, "tp_world": tp_world(group)}
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> list[bool]:

@@ -360,8 +360,8 @@ def scale_dlogits(dlogits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tenso
     out = torch.empty_like(dlogits, memory_format=torch.contiguous_format)
     numel = dlogits.numel()
     if numel:
-        _SCALE_DLOGITS.launch((triton.cdiv(numel, SCALE_BLOCK),), dlogits.contiguous(), out, grad_loss.reshape(1), numel,
-                      BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
+        _SCALE_DLOGITS.launch((triton.cdiv(numel, SCALE_BLOCK),), dlogits.contiguous(), out, grad_loss.reshape(1),
+                              numel, BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
     return out
 
 

@@ -327,7 +327,7 @@ def test_inplace_backward_graph_break_is_reported(backend, caplog):
     with pytest.raises(Exception, match="inplace_backward"):
         torch.compile(_grpo_inplace, fullgraph=True)(inputs())
     torch._dynamo.reset()
-    grpo_loss_library._inplace_warned.clear()
+    grpo_loss_library._warn_inplace_under_compile.cache_clear()
 
     def run(fn):
         x = inputs()
