@@ -1,4 +1,5 @@
-"""linear_logp at the issue's shape on a GPU: accuracy, workspace, and speed beside its peers in one run.
+"""linear_logp at an LM head's shape (T = H = 4096, V = 151936) on a GPU: accuracy, workspace, and
+speed beside its peers in one run.
 
 Shape: bf16 hidden [4096, 4096] x LM head [151936, 4096] (Qwen-sized vocab), temperature 1, two
 kinds of logits:
@@ -214,7 +215,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("logits", list(LOGITS))
-def test_linear_logp_accuracy_and_workspace_at_issue_shape(rlk_metrics, monkeypatch, logits):
+def test_linear_logp_accuracy_and_workspace_at_lm_head_shape(rlk_metrics, monkeypatch, logits):
     hidden, weight, ids, upstream = _inputs(logits)
     rlk_metrics.set_case(_case(logits) + "-accuracy")
     ref_logp, tc_logp, ref_dh, ref_dw, logits_std = _reference(hidden, weight, ids, upstream)

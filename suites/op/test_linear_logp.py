@@ -397,7 +397,8 @@ def test_dispatch_serves_linear_logp_from_the_triton_backend(triton_strict):
 
 
 def test_never_materializes_full_logits_workspace_bound():
-    """The issue's shape stays within 256 MB of workspace by default (computed from the plan)."""
+    """The LM head's shape (T = H = 4096, V = 151936) stays within 256 MB of workspace by default
+    (computed from the plan)."""
     budget = 256 * 10**6
     for dtype in (torch.bfloat16, torch.float32):
         need = op_module.planned_workspace_bytes(*ISSUE_SHAPE, dtype)
