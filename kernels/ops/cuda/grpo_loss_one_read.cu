@@ -2,9 +2,9 @@
 //
 // One cluster of C CTAs owns one row of logits [T, V] (C = 1, 2, 4 or 8, compiled in: the
 // function name ends in _c<C>). CTA r of the cluster copies its slice of the row, columns
-// [r * slice, (r + 1) * slice), from HBM into its shared memory once (cp.async, 16-byte pieces,
-// in STAGES commit groups so the statistics start on the first piece while the rest is in
-// flight). Then:
+// [r * slice, (r + 1) * slice), from HBM into its shared memory once (one bulk copy per stage,
+// STAGES of them, each completing on its own mbarrier, so the statistics start on the first stage
+// while the rest is in flight). Then:
 //   1. each CTA reduces its slice to (max, sum of exp) and publishes it in shared memory;
 //   2. after a cluster barrier every CTA reads the C partials through distributed shared memory
 //      and combines them in a fixed tree order (the same in every CTA, so all C get bit-identical
@@ -19,25 +19,37 @@
 // dlogits is written for grad_output == 1; the caller rescales (exactly) when it is not.
 //
 // Requirements checked by the caller (kernels/ops/cuda/grpo_loss_one_read.py): logits and dlogits
-// rows 16-byte aligned (data pointer and row stride), ids int64, [T] inputs fp32 contiguous.
+// rows 16-byte aligned (data pointer, row stride and V * itemsize), ids int64, [T] inputs fp32
+// contiguous.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <climits>
+#include <type_traits>
 #include <stdint.h>
 
 namespace cg = cooperative_groups;
 
 #ifndef RLK_THREADS
-#define RLK_THREADS 512  // measured against 256 on an H100: faster at every benchmark shape
+// 512 threads: 256 measured within 1.5% of it on an H100 and an H200 (docs/performance-notes.md)
+#define RLK_THREADS 512
 #endif
 // registers capped so that three CTAs of 75968-byte slices fit on one multiprocessor (H100/H200:
 // 64K registers, 228 KiB of shared memory): while one writes its row, the others load theirs
 #ifndef RLK_MIN_CTAS
 #define RLK_MIN_CTAS 3
 #endif
+#ifndef RLK_STAGES
 #define RLK_STAGES 4
+#endif
+// 1: one thread brings the slice in with a bulk copy per stage (cp.async.bulk, completing on one
+// mbarrier per stage); 0: every thread copies 16-byte pieces (cp.async, ~9 per thread). The bulk
+// copies cut the kernel's instructions by 16% and its time by 2-11% on an H100 and an H200
+// (docs/performance-notes.md)
+#ifndef RLK_BULK_LOAD
+#define RLK_BULK_LOAD 1
+#endif
 
 // flags (bit set by the caller)
 #define FLAG_SCALE 1      // temperature != 1: z = logits / temperature (IEEE division)
@@ -132,8 +144,35 @@ __device__ __forceinline__ void cp_async_wait_stage(int pending) {
         case 0: cp_async_wait<0>(); break;
         case 1: cp_async_wait<1>(); break;
         case 2: cp_async_wait<2>(); break;
-        default: cp_async_wait<3>(); break;
+        case 3: cp_async_wait<3>(); break;
+        case 4: cp_async_wait<4>(); break;
+        case 5: cp_async_wait<5>(); break;
+        case 6: cp_async_wait<6>(); break;
+        default: cp_async_wait<7>(); break;
     }
+}
+// bulk copy global -> this CTA's shared memory, completing `bytes` (a multiple of 16) on an mbarrier
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, int bytes, uint64_t* bar) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(gmem_src), "r"(bytes), "r"(b) : "memory");
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, int bytes) {
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_phase0(uint64_t* bar) {
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+        " @!done bra WAIT_%=;\n}\n" ::"r"(b) : "memory");
 }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
@@ -204,42 +243,109 @@ template <bool SCALE> __device__ __forceinline__ float scaled(float x, float tem
     return SCALE ? __fdiv_rn(x, temperature) : x;
 }
 
-// online (max, sum of exp) over this thread's pieces of one stage; full pieces take the fast path
-// (no per-element mask), the slice's last piece may be partial (zero-filled past the row's end)
+// The sweeps' exp(z - m) is 2^(z log2e - h) with h = m log2e rounded to fp32: one FFMA per element.
+// The rounding of h (up to |m| 2^-25) would scale every term of the row alike, a bias of ~1e-6 in
+// log S that KL terms such as k3's exp(ref - logp) amplify past the loss tolerance (seen at
+// temperature 0.7); so each sum of such terms is multiplied by 2^-(m log2e - h) = 1 - (m log2e - h) ln 2
+// (the residual m log2e - h is exact in one FFMA; the correction is 1 within 2^-23, itself correct to
+// half an ulp of 1), which leaves no bias above fp32's rounding near 1
+#define LN2 0.6931471805599453f
+__device__ __forceinline__ float ffma_exp_correction(float m, float h) {
+    return m == -INFINITY ? 1.0f : fmaf(-fmaf(m, LOG2E, -h), LN2, 1.0f);
+}
+
+// the largest element of K 16-byte pieces (as fp32, before the temperature): packed bf16x2 / half2
+// maxima for 16-bit types (exact, and NaN-ignoring like fmaxf), fmaxf for fp32
+template <typename T, int K> __device__ __forceinline__ float pieces_max(const int4 (&raw)[K]) {
+    if constexpr (sizeof(T) == 4) {
+        float pm = __int_as_float(raw[0].x);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (k) pm = fmaxf(pm, __int_as_float(raw[k].x));
+            pm = fmaxf(fmaxf(pm, __int_as_float(raw[k].y)), fmaxf(__int_as_float(raw[k].z), __int_as_float(raw[k].w)));
+        }
+        return pm;
+    } else {
+        using T2 = typename std::conditional<std::is_same<T, __half>::value, __half2, __nv_bfloat162>::type;
+        T2 a = __hmax2(*reinterpret_cast<const T2*>(&raw[0].x), *reinterpret_cast<const T2*>(&raw[0].y));
+        T2 b = __hmax2(*reinterpret_cast<const T2*>(&raw[0].z), *reinterpret_cast<const T2*>(&raw[0].w));
+#pragma unroll
+        for (int k = 1; k < K; ++k) {
+            a = __hmax2(a, __hmax2(*reinterpret_cast<const T2*>(&raw[k].x), *reinterpret_cast<const T2*>(&raw[k].y)));
+            b = __hmax2(b, __hmax2(*reinterpret_cast<const T2*>(&raw[k].z), *reinterpret_cast<const T2*>(&raw[k].w)));
+        }
+        a = __hmax2(a, b);
+        return fmaxf(to_f32(a.x), to_f32(a.y));
+    }
+}
+
+// K full pieces (p, p + THREADS, ...) into the thread's (m, s): their max first (one rescale for
+// all K), then the sum of their exps
+template <typename T, bool SCALE, int K>
+__device__ __forceinline__ void stats_pieces(const T* srow, int p, float temperature, float& m, float& h,
+                                             float& corr, float& s) {
+    constexpr int VEC = Vec<T>::N;
+    int4 raw[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) raw[k] = *reinterpret_cast<const int4*>(srow + (p + k * RLK_THREADS) * VEC);
+    // max(x) / T = max(x / T): IEEE division is monotonic
+    const float pm = scaled<SCALE>(pieces_max<T, K>(raw), temperature);
+    if (pm > m) {
+        s = s * exp_sweep(m - pm);
+        m = pm;
+        h = m * LOG2E;
+        corr = ffma_exp_correction(m, h);
+    }
+    if (m == -INFINITY) return;  // every element so far is -inf
+    float ps = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        float z[VEC];
+        if constexpr (sizeof(T) == 4) unpack(raw[k], z); else unpack16<T>(raw[k], z);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const float e = exp2_ftz(fmaf(scaled<SCALE>(z[j], temperature), LOG2E, -h));
+            ps = (k == 0 && j == 0) ? e : ps + e;
+        }
+    }
+    s = fmaf(ps, corr, s);
+}
+
+// online (max, sum of exp) over this thread's pieces of one stage, two full pieces per step; the
+// slice's last piece may be partial (zero-filled past the row's end: masked)
 template <typename T, bool SCALE>
 __device__ __forceinline__ void stats_stage(const T* srow, int begin, int end, int ncols, float temperature,
                                             float& m, float& s) {
     constexpr int VEC = Vec<T>::N;
-    for (int p = begin; p < end; p += RLK_THREADS) {
+    float h = m * LOG2E, corr = ffma_exp_correction(m, h);
+    const int full_end = min(end, ncols / VEC);
+    int p = begin;
+    for (; p + RLK_THREADS < full_end; p += 2 * RLK_THREADS) stats_pieces<T, SCALE, 2>(srow, p, temperature, m, h, corr, s);
+    if (p < full_end) {
+        stats_pieces<T, SCALE, 1>(srow, p, temperature, m, h, corr, s);
+        p += RLK_THREADS;
+    }
+    if (p < end) {  // the partial piece
         float z[VEC];
         load_piece<T>(srow + p * VEC, z);
         const int valid = ncols - p * VEC;
         float pm = -INFINITY;
-        if (valid >= VEC) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                z[j] = scaled<SCALE>(z[j], temperature);
-                pm = fmaxf(pm, z[j]);
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                z[j] = j < valid ? scaled<SCALE>(z[j], temperature) : -INFINITY;
-                pm = fmaxf(pm, z[j]);
-            }
+        for (int j = 0; j < VEC; ++j) {
+            z[j] = j < valid ? scaled<SCALE>(z[j], temperature) : -INFINITY;
+            pm = fmaxf(pm, z[j]);
         }
         if (pm > m) {
             s = s * exp_sweep(m - pm);
             m = pm;
+            h = m * LOG2E;
+            corr = ffma_exp_correction(m, h);
         }
         if (m != -INFINITY) {
-            // (z - m) log2e, not the one-FFMA z log2e - m log2e: the rounding of m log2e (~|m| 2^-24)
-            // would shift every term of the row alike, a ~1e-6 bias of log S that KL terms such as
-            // k3's exp(ref - logp) amplify past the loss tolerance (seen at temperature 0.7)
             float ps = 0.0f;
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) ps += exp_sweep(z[j] - m);
-            s += ps;
+            for (int j = 0; j < VEC; ++j) ps += j < valid ? exp2_ftz(fmaf(z[j], LOG2E, -h)) : 0.0f;
+            s = fmaf(ps, corr, s);
         }
     }
 }
@@ -250,26 +356,24 @@ template <typename T, bool SCALE>
 __device__ __forceinline__ void write_slice(const T* srow, T* dst, int npieces, int ncols, float temperature,
                                             float row_max, float c_over_s) {
     constexpr int VEC = Vec<T>::N;
-    const float neg_cs = -c_over_s;
-    const float max_log2 = row_max * LOG2E;
-    for (int p = threadIdx.x; p < npieces; p += RLK_THREADS) {
+    const float h = row_max * LOG2E;
+    // exp(z - m) (c / S) = 2^(z log2e - h) * [(c / S) * (1 - (m log2e - h) ln 2)], negated
+    const float neg_cs = -c_over_s * ffma_exp_correction(row_max, h);
+    const int nfull = ncols / VEC;
+    for (int p = threadIdx.x; p < nfull; p += RLK_THREADS) {
         float d[VEC];
         load_piece<T>(srow + p * VEC, d);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const float z = scaled<SCALE>(d[j], temperature);
-            // 16-bit outputs: the one-FFMA form's ~1e-6 relative difference (the rounding of m log2e)
-            // is 1/4000 of their rounding; fp32 outputs keep exp(z - m)'s order of operations
-            d[j] = (sizeof(T) == 4 ? exp_sweep(z - row_max) : exp2_ftz(fmaf(z, LOG2E, -max_log2))) * neg_cs;
-        }
-        const int valid = ncols - p * VEC;
-        if (valid >= VEC) {
-            __stcs(reinterpret_cast<int4*>(dst + p * VEC), pack_piece<T>(d));
-        } else {
+        for (int j = 0; j < VEC; ++j) d[j] = exp2_ftz(fmaf(scaled<SCALE>(d[j], temperature), LOG2E, -h)) * neg_cs;
+        __stcs(reinterpret_cast<int4*>(dst + p * VEC), pack_piece<T>(d));
+    }
+    const int valid = ncols - nfull * VEC;
+    if (valid > 0 && threadIdx.x == nfull % RLK_THREADS) {  // the partial piece
+        float d[VEC];
+        load_piece<T>(srow + nfull * VEC, d);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                if (j < valid) dst[p * VEC + j] = from_f32<T>(d[j]);
-            }
+        for (int j = 0; j < VEC; ++j) {
+            if (j < valid) dst[nfull * VEC + j] = from_f32<T>(exp2_ftz(fmaf(scaled<SCALE>(d[j], temperature), LOG2E, -h)) * neg_cs);
         }
     }
 }
@@ -303,6 +407,26 @@ __device__ __forceinline__ void grpo_one_read(
     // 1. issue the whole slice's copy, in STAGES groups; a thread later reads exactly the pieces
     //    it copied, so its own wait_group is all the synchronisation the statistics need
     const int per_stage = (npieces + RLK_STAGES - 1) / RLK_STAGES;
+#if RLK_BULK_LOAD
+    // one thread issues a bulk copy per stage; every thread waits on the stage's mbarrier. The slice's
+    // bytes are whole 16-byte pieces (the caller requires V * itemsize % 16 == 0)
+    __shared__ __align__(8) uint64_t stage_bar[RLK_STAGES];
+    if (tid == 0) {
+#pragma unroll
+        for (int st = 0; st < RLK_STAGES; ++st) mbar_init(&stage_bar[st], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0) {
+#pragma unroll
+        for (int st = 0; st < RLK_STAGES; ++st) {
+            const int first = min(npieces, st * per_stage), end = min(npieces, (st + 1) * per_stage);
+            const int bytes = (end - first) * 16;
+            mbar_arrive_expect_tx(&stage_bar[st], bytes);
+            if (bytes > 0) bulk_load(srow + first * VEC, src + first * VEC, bytes, &stage_bar[st]);
+        }
+    }
+#else
 #pragma unroll
     for (int st = 0; st < RLK_STAGES; ++st) {
         const int end = min(npieces, (st + 1) * per_stage);
@@ -312,6 +436,7 @@ __device__ __forceinline__ void grpo_one_read(
         }
         cp_async_commit();
     }
+#endif
     const int64_t target = ids[row];
     const bool ignored = target == ignore_index;
     const bool owned = target >= 0 && target < vocab;
@@ -341,7 +466,11 @@ __device__ __forceinline__ void grpo_one_read(
     float m = -INFINITY, s = 0.0f;
 #pragma unroll
     for (int st = 0; st < RLK_STAGES; ++st) {
+#if RLK_BULK_LOAD
+        mbar_wait_phase0(&stage_bar[st]);
+#else
         cp_async_wait_stage(RLK_STAGES - 1 - st);
+#endif
         const int begin = st * per_stage + tid, end = min(npieces, (st + 1) * per_stage);
         if (scale) {
             stats_stage<T, true>(srow, begin, end, ncols, temperature, m, s);

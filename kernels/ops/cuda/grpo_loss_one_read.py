@@ -12,7 +12,8 @@ values; one more read of the logits).
 
 Applies when: the logits are on a CUDA device of compute capability >= 9.0 (thread-block
 clusters), fp32/bf16/fp16, rows contiguous and 16-byte aligned (data pointer, row stride, and
-V * itemsize, since dlogits is allocated contiguous), the row fits in 8 slices, nvcc is
+V * itemsize, since dlogits is allocated contiguous and the slices arrive by bulk copies of whole
+16-byte pieces), the row fits in 8 slices, nvcc is
 available (or the fatbin is cached), and ``RLK_GRPO_ONE_READ`` is not ``0``.
 """
 
@@ -29,7 +30,8 @@ from kernels.ops.cuda import build
 
 SOURCE = Path(__file__).with_name("grpo_loss_one_read.cu")
 THREADS = 512  # threads per CTA (RLK_THREADS in the source)
-EXTRA_DEFINES: tuple[str, ...] = ()  # NAME=VALUE macros for experiments (e.g. RLK_MIN_CTAS=2)
+# NAME=VALUE macros for experiments (e.g. RLK_MIN_CTAS=2; suites/op/probe_grpo_one_read_config.py)
+EXTRA_DEFINES: tuple[str, ...] = ()
 SLICE_BYTES = 96 * 1024
 MAX_SLICE_BYTES = 200 * 1024
 CLUSTER_SIZES = (1, 2, 4, 8)
