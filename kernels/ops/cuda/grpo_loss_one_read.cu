@@ -475,54 +475,67 @@ RLK_DEFINE_DTYPE(fp16, __half)
 
 // dlogits for grad_output == 1 from the statistics a FLAG_STATS_ONLY launch saved (per_token rows
 // 4-6: coef, row max, sum-exp; the reduction weights): the cluster kernel's write sweep, bit for
-// bit (write_slice, then the target's element with the one-hot term), reading the logits from
-// HBM instead of shared memory. CTA b writes row b / blocks_per_row, columns
-// [(b % blocks_per_row) * RLK_THREADS * VEC, ...): one 16-byte piece per thread. grad_output is
-// read on the device: when it is not exactly 1 the kernel returns at once and the caller's
-// rewrite (the Triton dlogits kernel, UNLESS_UNIT) writes the rows.
+// bit. CTA b owns row b / blocks_per_row, columns [(b % blocks_per_row) * block_cols, + block_cols)
+// (block_cols * sizeof(T) bytes of dynamic shared memory): it copies them into shared memory at
+// once (cp.async: every piece in flight together, while the row's statistics load), then runs
+// write_slice on the copy and writes the target's element with the one-hot term, as the cluster
+// kernel does on its slice. grad_output is read on the device first: when it is not exactly 1 the
+// CTA returns before reading anything else, and the caller's rewrite (the Triton dlogits kernel,
+// UNLESS_UNIT) writes the rows.
+#ifndef RLK_WRITE_MIN_CTAS
+#define RLK_WRITE_MIN_CTAS 3  // registers for three CTAs of RLK_THREADS per multiprocessor
+#endif
 template <typename T>
 __device__ __forceinline__ void grpo_write_from_stats(
     const T* __restrict__ logits, T* __restrict__ grad, const int64_t* __restrict__ ids,
     const float* __restrict__ weights, const float* __restrict__ coef, const float* __restrict__ row_max_in,
     const float* __restrict__ sumexp, const float* __restrict__ grad_output, int64_t stride_row,
-    int64_t stride_grad, int vocab, int blocks_per_row, float temperature, int flags) {
+    int64_t stride_grad, int vocab, int blocks_per_row, int block_cols, float temperature, int flags) {
     constexpr int VEC = Vec<T>::N;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sblock = reinterpret_cast<T*>(smem_raw);
     if (*grad_output != 1.0f) return;
     const int64_t row = blockIdx.x / blocks_per_row;
-    const int col0 = (blockIdx.x % blocks_per_row) * RLK_THREADS * VEC;
-    const int ncols = min(vocab - col0, RLK_THREADS * VEC);
+    const int col0 = (blockIdx.x % blocks_per_row) * block_cols;
+    const int ncols = max(0, min(vocab - col0, block_cols));
     const int npieces = (ncols + VEC - 1) / VEC;
+    const int tid = threadIdx.x;
+    const T* src = logits + row * stride_row + col0;
+    // a thread copies exactly the pieces write_slice has it read later: its own wait is enough
+    for (int p = tid; p < npieces; p += RLK_THREADS) {
+        const int bytes = min(VEC, ncols - p * VEC) * static_cast<int>(sizeof(T));
+        cp_async_16(sblock + p * VEC, src + p * VEC, bytes);
+    }
+    cp_async_commit();
     const bool scale = flags & FLAG_SCALE;
     // the cluster kernel's c and c / S: c = w * coef [/ T], one IEEE division each
     float c = weights[row] * coef[row];
     if (scale) c = __fdiv_rn(c, temperature);
-    const float rs = sumexp[row];
-    const float c_over_s = __fdiv_rn(c, rs);
+    const float c_over_s = __fdiv_rn(c, sumexp[row]);
     const float row_max = row_max_in[row];
-    const T* src = logits + row * stride_row + col0;
+    const int64_t local_target = ids[row] - col0;
+    cp_async_wait<0>();
     T* dst = grad + row * stride_grad + col0;
     if (scale) {
-        write_slice<T, true>(src, dst, npieces, ncols, temperature, row_max, c_over_s);
+        write_slice<T, true>(sblock, dst, npieces, ncols, temperature, row_max, c_over_s);
     } else {
-        write_slice<T, false>(src, dst, npieces, ncols, temperature, row_max, c_over_s);
+        write_slice<T, false>(sblock, dst, npieces, ncols, temperature, row_max, c_over_s);
     }
-    const int64_t target = ids[row];
-    const int64_t local_target = target - col0;
-    const int tid = threadIdx.x;
     if (local_target >= 0 && local_target < ncols && (local_target / VEC) % RLK_THREADS == tid) {
-        float x = to_f32(src[local_target]);
+        float x = to_f32(sblock[local_target]);
         if (scale) x = __fdiv_rn(x, temperature);
         dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
     }
 }
 
 #define RLK_DEFINE_WRITE(NAME, T)                                                                          \
-    extern "C" __global__ void __launch_bounds__(RLK_THREADS) NAME(                                        \
+    extern "C" __global__ void __launch_bounds__(RLK_THREADS, RLK_WRITE_MIN_CTAS) NAME(                    \
         const T* logits, T* grad, const int64_t* ids, const float* weights, const float* coef,            \
         const float* row_max, const float* sumexp, const float* grad_output, int64_t stride_row,          \
-        int64_t stride_grad, int vocab, int blocks_per_row, float temperature, int flags) {                \
+        int64_t stride_grad, int vocab, int blocks_per_row, int block_cols, float temperature, int flags) { \
         grpo_write_from_stats<T>(logits, grad, ids, weights, coef, row_max, sumexp, grad_output,          \
-                                 stride_row, stride_grad, vocab, blocks_per_row, temperature, flags);     \
+                                 stride_row, stride_grad, vocab, blocks_per_row, block_cols, temperature, \
+                                 flags);                                                                   \
     }
 
 RLK_DEFINE_WRITE(grpo_write_from_stats_fp32, float)

@@ -47,9 +47,12 @@ SIGNATURE = (
 )
 WRITE_SIGNATURE = (
     "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",  # logits grad ids weights coef max sumexp grad_output
-    "i64", "i64", "i32", "i32",  # stride_row stride_grad V blocks_per_row
+    "i64", "i64", "i32", "i32", "i32",  # stride_row stride_grad V blocks_per_row block_cols
     "f32", "i32",  # temperature flags
 )
+# the write kernel's CTA: up to WRITE_PIECES 16-byte pieces per thread (32 KiB of shared memory),
+# all copied at once; three CTAs per multiprocessor keep ~64 KiB of reads in flight on each
+WRITE_PIECES = 4
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,10 @@ def write_from_stats(
     row_max: torch.Tensor, sumexp: torch.Tensor, grad_output: torch.Tensor, temperature: float,
 ) -> None:
     """``grad`` = dlogits for grad_output 1 from a stats-only :func:`launch`'s per_token rows (coef,
-    row max, sum-exp) and the weights: the bits the cluster kernel's write sweep gives, in a grid
-    of RLK_THREADS x 16-byte pieces per CTA. Nothing is written when ``grad_output`` (fp32 [1], read
-    on the device) is not exactly 1: the caller's rewrite writes the rows then.
+    row max, sum-exp) and the weights: the bits the cluster kernel's write sweep gives, each row cut
+    into equal blocks of at most ``THREADS * WRITE_PIECES`` 16-byte pieces (a CTA each). Nothing is
+    written when ``grad_output`` (fp32 [1], read on the device) is not exactly 1: the caller's
+    rewrite writes the rows then.
 
     logits [T, V] as :func:`plan` accepted them; grad contiguous like logits; ids int64 [T];
     weights/coef/row_max/sumexp fp32 contiguous [T]."""
@@ -185,15 +189,17 @@ def write_from_stats(
     if num_tokens == 0:
         return
     kernel = _module(logits.device).kernel(f"grpo_write_from_stats_{_SUFFIX[logits.dtype]}", WRITE_SIGNATURE)
-    columns = THREADS * (16 // logits.element_size())
-    blocks_per_row = -(-vocab // columns)
+    vec = 16 // logits.element_size()
+    pieces = -(-vocab // vec)
+    blocks_per_row = -(-pieces // (THREADS * WRITE_PIECES))
+    block_cols = -(-pieces // blocks_per_row) * vec
     args = (
         logits.data_ptr(), grad.data_ptr(), ids.data_ptr(), weights.data_ptr(), coef.data_ptr(), row_max.data_ptr(),
         sumexp.data_ptr(), grad_output.data_ptr(), logits.stride(0), grad.stride(0), vocab, blocks_per_row,
-        temperature, FLAG_SCALE if temperature != 1.0 else 0,
+        block_cols, temperature, FLAG_SCALE if temperature != 1.0 else 0,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
-    kernel.launch(num_tokens * blocks_per_row, THREADS, 0, args, stream)
+    kernel.launch(num_tokens * blocks_per_row, THREADS, block_cols * logits.element_size(), args, stream)
 
 
 def _module(device: torch.device) -> build.CudaModule:
