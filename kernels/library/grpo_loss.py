@@ -25,7 +25,10 @@ exactly the eager call's kernels (``kernels.ops.grpo_loss``: ``grpo_loss_stats``
   logits, one write) and does nothing for another gradient, then the dlogits kernel's rewrite of
   the rows when the gradient is not 1, as the eager backward does. Three passes over [T, V] (the
   logits read in each direction, dlogits written once) against the eager call's two (one read,
-  one write); the eager call holds dlogits from its forward on, the operators hold none.
+  one write); the eager call holds dlogits from its forward on, the operators hold none. (The
+  eager call's two passes need the backward to hand out, or rescale in place, a [T, V] buffer the
+  forward wrote; AOTAutograd turns a backward's mutation of a saved tensor into a copy, a pass of
+  its own.)
 
 Every other case (GSPO and vocab-parallel calls on rlk-triton, other backends) runs the generic
 split (kernels/library/serve.py): the forward without autograd, the backward recomputing it with
