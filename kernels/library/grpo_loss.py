@@ -3,23 +3,36 @@
 
 rlk::grpo_loss(logits [T, V], target_ids [T], old_logp [T], ref_logp [T]?, advantages [T],
                loss_mask [T], lengths [B]?, cu_seqlens [B + 1]?, rollout_logp [T]?, <LossConfig's
-               fields>, temperature, ignore_index, group_name?, unit_grad)
-    -> (loss fp32 [], metrics fp32 [4] (pg_loss, pg_clipfrac, ppo_kl, kl_loss), dlogits [T', V])
-rlk::grpo_loss_backward(grad_loss fp32 [], dlogits [T, V]) -> grad_logits [T, V]
+               fields>, temperature, ignore_index, group_name?, stats)
+    -> (loss fp32 [], metrics fp32 [4] (pg_loss, pg_clipfrac, ppo_kl, kl_loss), residual fp32 [4, T'])
+    ``residual``: per token the unweighted coefficient dL/dlogp / w, the row's max and sum of
+    exp(z - max), and the reduction weight w, where the serving backend has a split (rlk-triton's
+    fused paths), zeros otherwise; ``T' = T`` when ``stats`` (the caller differentiates), else 0;
+    rows 4-7 of an [8, T'] buffer (the fused forward's own, no copy).
+rlk::grpo_loss_backward(grad_loss fp32 [], residual [4, T], <the forward's arguments but stats>)
+    -> grad_logits [T, V] in the logits dtype, contiguous.
 
-The loss is a scalar, so its gradient is linear in the incoming one: with ``unit_grad`` (the
-caller differentiates) the forward runs the serving backend's forward and backward at once and
-returns ``dlogits`` for a gradient of 1 (the residual; ``T' = T``, else 0): every backend's
-backward, the one-read kernel's (which writes dlogits while it reads the logits) included, at the
-cost the eager call pays, and the same [T, V] memory. rlk-triton's split (its fused paths) runs its
-kernels directly (``kernels.ops.grpo_loss.grpo_loss_unit_grad``); every other case
-differentiates the backend's implementation inside the operator (one more autograd engine run).
-The backward scales it by the incoming gradient: ``grad_loss * dlogits``, the same bits as the
-eager backward when ``grad_loss == 1`` (``loss.backward()``); for another value, one rounding of
-the logits dtype from it. It costs one pass over [T, V] that the eager call skips for
-``grad_loss == 1``; skipping it needs the backward to scale the forward's dlogits in place, and
-an operator whose backward mutates one of its forward's outputs fails AOTAutograd's partition
-(``torch.library.opcheck``) wherever that output is also returned.
+No [T, V] tensor lives between the forward and the backward: the backward reads the logits again
+(the caller's graph holds them) and writes dlogits from the residual. rlk-triton's split runs
+exactly the eager call's kernels (``kernels.ops.grpo_loss``: ``grpo_loss_stats`` and
+``grpo_loss_dlogits``), so forward and backward give the eager bits for every incoming gradient:
+
+* two reads (the Triton path): the statistics kernel, then the dlogits kernel with grad_loss
+  folded in, the eager call's sequence itself;
+* one read (the CUDA cluster kernel, kernels/ops/cuda/grpo_loss_one_read.py): the cluster kernel
+  with its statistics only (the eager forward's bits), then in the backward a kernel that writes
+  the eager forward's dlogits for a gradient of 1 from the saved statistics (one read of the
+  logits, one write) and does nothing for another gradient, then the dlogits kernel's rewrite of
+  the rows when the gradient is not 1, as the eager backward does. Three passes over [T, V] (the
+  logits read in each direction, dlogits written once) against the eager call's two (one read,
+  one write); the eager call holds dlogits from its forward on, the operators hold none. (The
+  eager call's two passes need the backward to hand out, or rescale in place, a [T, V] buffer the
+  forward wrote; AOTAutograd turns a backward's mutation of a saved tensor into a copy, a pass of
+  its own.)
+
+Every other case (GSPO and vocab-parallel calls on rlk-triton, other backends) runs the generic
+split (kernels/library/serve.py): the forward without autograd, the backward recomputing it with
+autograd (the backend's own backward bits, one more forward).
 
 ``group_name``: the vocab-parallel group's registered name (``tp_group.group_name``), or None.
 
@@ -42,9 +55,9 @@ import torch
 from kernels import dispatch
 from kernels.contracts import METRIC_NAMES, GrpoLossCall, LossConfig
 from kernels.library.serve import (
-    autograd_inside,
     check_values,
     needs_grad,
+    recomputed_grads,
     registered_name,
     serving,
     tp_fields,
@@ -62,17 +75,36 @@ def _call(logits, target_ids, old_logp, ref_logp, advantages, loss_mask, lengths
                    num_tokens=logits.shape[0], vocab=logits.shape[1], deferred=0, **tp_fields(group))
 
 
-def _triton_forward(call: GrpoLossCall, unit_grad: bool):
-    """rlk-triton's fused paths without autograd, or None where the call takes its composed path."""
-    if call.config.gspo or call.tp_group is not None:
+def _fused(call: GrpoLossCall) -> bool:
+    """rlk-triton's fused paths serve the call (else its composed path: GSPO, vocab-parallel)."""
+    return not call.config.gspo and call.tp_group is None
+
+
+def _triton_forward(call: GrpoLossCall, stats: bool):
+    if not _fused(call):
         return None
-    from kernels.ops.grpo_loss import grpo_loss_unit_grad
+    from kernels.ops.grpo_loss import grpo_loss_stats
 
-    return grpo_loss_unit_grad(call, unit_grad)
+    return grpo_loss_stats(call, stats)
 
 
-# backend id -> forward(call, unit_grad) -> (loss, metrics [4], dlogits or None), or None: the generic way
-SPLITS = {"rlk-triton": _triton_forward}
+def _triton_backward(call: GrpoLossCall, grad_loss: torch.Tensor, residual: torch.Tensor):
+    if not _fused(call):
+        return None
+    from kernels.ops.grpo_loss import grpo_loss_dlogits
+
+    return grpo_loss_dlogits(call.logits, call.target_ids, residual, grad_loss, call.temperature, call.ignore_index)
+
+
+# backend id -> (forward(call, stats) -> (loss, metrics [4], residual [4, T']) or None,
+#                backward(call, grad_loss, residual) -> dlogits or None); None: the generic way
+SPLITS = {"rlk-triton": (_triton_forward, _triton_backward)}
+
+
+def _config(eps_clip, eps_clip_high, eps_clip_c, kl_loss_coef, kl_type, use_unbiased_kl, use_tis, tis_clip_low,
+            tis_clip_high, reduction, gspo) -> LossConfig:
+    return LossConfig(eps_clip, eps_clip_high, eps_clip_c, kl_loss_coef, kl_type, use_unbiased_kl, use_tis,
+                      tis_clip_low, tis_clip_high, reduction, gspo)
 
 
 @torch.library.custom_op("rlk::grpo_loss", mutates_args=())
@@ -82,69 +114,81 @@ def grpo_loss_forward(
     rollout_logp: torch.Tensor | None, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None,
     kl_loss_coef: float, kl_type: str, use_unbiased_kl: bool, use_tis: bool, tis_clip_low: float,
     tis_clip_high: float, reduction: str, gspo: bool, temperature: float, ignore_index: int, group_name: str | None,
-    unit_grad: bool,
+    stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = LossConfig(eps_clip, eps_clip_high, eps_clip_c, kl_loss_coef, kl_type, use_unbiased_kl, use_tis,
-                        tis_clip_low, tis_clip_high, reduction, gspo)
-    rest = (target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp, config,
-            temperature, ignore_index, group_name)
-    call = _call(logits, *rest)
+    config = _config(eps_clip, eps_clip_high, eps_clip_c, kl_loss_coef, kl_type, use_unbiased_kl, use_tis,
+                     tis_clip_low, tis_clip_high, reduction, gspo)
+    call = _call(logits, target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp,
+                 config, temperature, ignore_index, group_name)
     check_values("grpo_loss", call, target_ids, *logits.shape)
     backend, impl = serving("grpo_loss", call)
     split = SPLITS.get(backend)
-    found = None if split is None else split(call, unit_grad)
+    found = None if split is None else split[0](call, stats)
     if found is not None:
-        loss, metrics, dlogits = found
-        return loss, metrics, logits.new_empty((0, logits.shape[1])) if dlogits is None else dlogits
-    if not unit_grad:
-        loss, metrics = impl(call)
-        return loss, torch.stack([metrics[name] for name in METRIC_NAMES]), logits.new_empty((0, logits.shape[1]))
-    leaf = logits.detach().requires_grad_()
-    differentiable = _call(leaf, *rest)
-    differentiable.deferred = call.deferred
-    with autograd_inside():
-        loss, metrics = impl(differentiable)
-        (dlogits,) = torch.autograd.grad(loss, leaf)
-    return loss.detach(), torch.stack([metrics[name] for name in METRIC_NAMES]), dlogits
+        return found
+    loss, metrics = impl(call)
+    return loss, torch.stack([metrics[name] for name in METRIC_NAMES]), _residual(logits, stats).zero_()
 
 
 @grpo_loss_forward.register_fake
 def _(logits, target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp, eps_clip,
       eps_clip_high, eps_clip_c, kl_loss_coef, kl_type, use_unbiased_kl, use_tis, tis_clip_low, tis_clip_high,
-      reduction, gspo, temperature, ignore_index, group_name, unit_grad):
-    rows = logits.shape[0] if unit_grad else 0
-    return (logits.new_empty((), dtype=torch.float32), logits.new_empty(4, dtype=torch.float32),
-            logits.new_empty((rows, logits.shape[1])))
+      reduction, gspo, temperature, ignore_index, group_name, stats):
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty(4, dtype=torch.float32), _residual(logits, stats)
+
+
+def _residual(logits: torch.Tensor, stats: bool) -> torch.Tensor:
+    """The residual's layout: rows 4-7 of an fp32 [8, T'] buffer (the fused forward's per-token
+    buffer, whose first four rows hold the metric terms), uninitialized."""
+    return logits.new_empty((8, logits.shape[0] if stats else 0), dtype=torch.float32)[4:]
 
 
 @torch.library.custom_op("rlk::grpo_loss_backward", mutates_args=())
-def grpo_loss_backward(grad_loss: torch.Tensor, dlogits: torch.Tensor) -> torch.Tensor:
-    # with the kernels on a GPU: one vectorized pass (kernels/ops/grpo_loss.py, scale_dlogits);
-    # PyTorch's own bf16 x fp32-0-dim product takes its casting path (2.8x slower on an H200)
-    if dlogits.is_cuda and dispatch.kernels_enabled():
-        from kernels.ops.grpo_loss import scale_dlogits
+def grpo_loss_backward(
+    grad_loss: torch.Tensor, residual: torch.Tensor, logits: torch.Tensor, target_ids: torch.Tensor,
+    old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor, loss_mask: torch.Tensor,
+    lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None, rollout_logp: torch.Tensor | None,
+    eps_clip: float, eps_clip_high: float, eps_clip_c: float | None, kl_loss_coef: float, kl_type: str,
+    use_unbiased_kl: bool, use_tis: bool, tis_clip_low: float, tis_clip_high: float, reduction: str, gspo: bool,
+    temperature: float, ignore_index: int, group_name: str | None,
+) -> torch.Tensor:
+    config = _config(eps_clip, eps_clip_high, eps_clip_c, kl_loss_coef, kl_type, use_unbiased_kl, use_tis,
+                     tis_clip_low, tis_clip_high, reduction, gspo)
+    rest = (target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp, config,
+            temperature, ignore_index, group_name)
+    call = _call(logits, *rest)
+    backend, impl = serving("grpo_loss", call)
+    split = SPLITS.get(backend)
+    if split is not None and residual.shape[1] == logits.shape[0]:
+        found = split[1](call, grad_loss, residual)
+        if found is not None:
+            return found
 
-        return scale_dlogits(dlogits, grad_loss)
-    return (dlogits * grad_loss).to(dlogits.dtype)
+    def forward(leaf: torch.Tensor) -> torch.Tensor:
+        return impl(_call(leaf, *rest))[0]
+
+    return recomputed_grads(forward, [logits], [True], [grad_loss])[0]
 
 
 @grpo_loss_backward.register_fake
-def _(grad_loss, dlogits):
-    return torch.empty_like(dlogits)
+def _(grad_loss, residual, logits, *_args):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output[2])
+    logits, *tensors = inputs[:9]
+    ctx.save_for_backward(logits, *tensors, output[2])
+    ctx.options = inputs[9:23]
     ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, grad_loss, _grad_metrics, _grad_dlogits):
-    (dlogits,) = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_metrics, _grad_residual):
     if not ctx.needs_input_grad[0]:
         return (None,) * 24
-    if dlogits.shape[0] == 0:
-        raise RuntimeError("rlk::grpo_loss: backward through a forward called with unit_grad=False")
-    return (torch.ops.rlk.grpo_loss_backward(grad_loss, dlogits), *(None,) * 23)
+    *tensors, residual = ctx.saved_tensors
+    if residual.shape[1] != tensors[0].shape[0]:
+        raise RuntimeError("rlk::grpo_loss: backward through a forward called with stats=False")
+    return (torch.ops.rlk.grpo_loss_backward(grad_loss, residual, *tensors, *ctx.options), *(None,) * 23)
 
 
 grpo_loss_forward.register_autograd(_backward, setup_context=_setup_context)

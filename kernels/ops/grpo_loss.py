@@ -32,6 +32,11 @@ in the forward (its memory is held from the forward on, not from the backward on
 alone cannot read once (the row must stay on chip between its two sweeps, and a 152k-entry bf16
 row is larger than one multiprocessor's shared memory; Triton has no clusters): docs/performance-notes.md.
 
+Under ``torch.compile`` the PyTorch operators (kernels/library/grpo_loss.py) run these kernels split
+so that no [T, V] tensor lives between forward and backward: :func:`grpo_loss_stats` (the one-read
+kernel with its statistics only) and :func:`grpo_loss_dlogits` (dlogits from the statistics: the
+eager bits, one more read of the logits on the one-read path).
+
 ``inplace_backward=True`` (opt-in; always the two-read path) writes dlogits into the logits buffer during the backward:
 no extra [T, V] memory, but the logits' values are destroyed — use it only when nothing reads
 the logits after the backward (the returned gradient aliases the logits storage; a second
@@ -296,17 +301,6 @@ def _grpo_dlogits_kernel(
                         sumexp_ptr, stride_row, stride_grad_row, vocab, ignore_index, temperature, BLOCK_V, SCALE)
 
 
-@triton.jit
-def _scale_kernel(src_ptr, dst_ptr, g_ptr, numel, BLOCK: tl.constexpr):
-    """dst = src * g: the product in fp32 (g an fp32 scalar read on the device), one rounding to
-    dst's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = offs < numel
-    g = tl.load(g_ptr).to(tl.float32)
-    x = tl.load(src_ptr + offs, mask=keep).to(tl.float32)
-    tl.store(dst_ptr + offs, (x * g).to(dst_ptr.dtype.element_ty), mask=keep)
-
-
 REDUCE_BLOCK = 1024
 # _weighted_sums_kernel is one program: 4096 tokens per step over 16 warps keep enough loads in
 # flight that a large T takes one or two steps (docs/performance-notes.md)
@@ -315,8 +309,6 @@ _GRPO_LOSS = CachedLaunch(_grpo_loss_kernel)
 _TOKEN_WEIGHTS = CachedLaunch(_token_weights_kernel)
 _WEIGHTED_SUMS = CachedLaunch(_weighted_sums_kernel)
 _GRPO_DLOGITS = CachedLaunch(_grpo_dlogits_kernel)
-_SCALE_DLOGITS = CachedLaunch(_scale_kernel)
-SCALE_BLOCK, SCALE_WARPS = 4096, 8
 _HOST = HostModule("grpo_loss_one_read")
 _host_forward = None  # the host path's forward, once it holds a kernel (see _host_module)
 
@@ -353,18 +345,6 @@ def _token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, cu_seq
     return weights, native
 
 
-def scale_dlogits(dlogits: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
-    """``(dlogits.float() * grad_loss).to(dlogits.dtype)`` in one pass, without a host sync:
-    dlogits [T, V] (the unit gradient the operator's forward returned), grad_loss fp32 [] on its
-    device; a new contiguous tensor."""
-    out = torch.empty_like(dlogits, memory_format=torch.contiguous_format)
-    numel = dlogits.numel()
-    if numel:
-        _SCALE_DLOGITS.launch((triton.cdiv(numel, SCALE_BLOCK),), dlogits.contiguous(), out, grad_loss.reshape(1),
-                              numel, BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
-    return out
-
-
 def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
     """The one-read kernel's plan for these logits, or why the two-read path runs (logged once per
     reason at INFO: it is a documented path with the same values, not a fallback)."""
@@ -383,57 +363,25 @@ class GrpoLossFunction(torch.autograd.Function):
     def forward(ctx, logits, call):  # type: ignore[override]
         # the call (kernels/contracts/grpo_loss.py) rides along as one argument: autograd looks at
         # each argument of apply, and only the logits are differentiated (host time of every call)
-        ids, config, temperature, ignore_index = call.target_ids, call.config, call.temperature, call.ignore_index
-        old_logp, ref_logp, advantages, rollout_logp = (
-            f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp))
-        loss_mask, lengths, cu_seqlens = call.loss_mask, call.lengths, call.cu_seqlens
-        inplace, call_id = call.inplace_backward, call.deferred
-        num_tokens, vocab = logits.shape
-        # rows 0-6: the kernels' per-token terms (see _grpo_loss_kernel); row 7: the reduction weights
-        per_token = torch.empty((8, num_tokens), dtype=torch.float32, device=logits.device)
-        has_ref = ref_logp is not None
-        weights, weights_native = _token_weights(loss_mask, lengths, cu_seqlens, config.reduction, call_id,
-                                                 per_token[7])
+        inplace = call.inplace_backward
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
-        one_read = None
         if isinstance(plan, one_read_kernel.OneReadPlan):
             # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
-            unit_grad = torch.empty((num_tokens, vocab), dtype=logits.dtype, device=logits.device)
-            one_read = one_read_kernel.launch(
-                plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
-                ref_logp, advantages, rollout_logp, weights, per_token, config, float(temperature),
-                ignore_index, kl_type_code(config.kl_type), device_errors.word_for(logits.device).ptr, call_id,
-            )
+            unit_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         else:
-            unit_grad = None
-            block, warps = vocab_block(vocab, logits.dtype, read_only=True)
-            _GRPO_LOSS.launch(
-                (num_tokens,), logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
-                rollout_logp if config.use_tis else old_logp, per_token, device_errors.word_for(logits.device).tensor,
-                logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
-                float(config.eps_clip), float(config.eps_clip_high), float(config.eps_clip_c or 0.0),
-                float(config.tis_clip_low), float(config.tis_clip_high), float(config.kl_loss_coef), call_id,
-                BLOCK_V=block, SCALE=temperature != 1.0, HAS_REF=has_ref,
-                KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
-                DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
-            )
-        # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss, and the loss, in one launch
-        metrics = torch.empty(4, dtype=torch.float32, device=logits.device)
-        loss = torch.empty((), dtype=torch.float32, device=logits.device)
-        sums_native = _WEIGHTED_SUMS.launch_native(
-            (1,), per_token, weights, metrics, loss, num_tokens, float(config.kl_loss_coef),
-            HAS_KL=config.kl_loss_coef != 0.0, BLOCK=SUMS_BLOCK, num_warps=SUMS_WARPS,
-        )
+            plan, unit_grad = None, None
+        loss, metrics, per_token, (weights_native, one_read, sums_native) = _forward_kernels(
+            logits, call, plan, unit_grad)
         if one_read is not None and weights_native is not None and sums_native is not None:
             _register_forward(call, weights_native, plan, one_read, sums_native)
         ctx.unit_grad = unit_grad
         ctx.row_stats = per_token[4:7]
-        ctx.weights = weights
-        ctx.temperature, ctx.ignore_index, ctx.inplace = temperature, ignore_index, inplace
+        ctx.weights = per_token[7]
+        ctx.temperature, ctx.ignore_index, ctx.inplace = call.temperature, call.ignore_index, inplace
         ctx.backward_done = False
         ctx.host_path = one_read is not None  # a common case registers its backward kernel too
         # saving the logits costs no memory (the caller's graph holds them); the backward reads them once
-        ctx.save_for_backward(logits, ids)
+        ctx.save_for_backward(logits, call.target_ids)
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
@@ -451,6 +399,53 @@ class GrpoLossFunction(torch.autograd.Function):
         if unit_grad is not None and ctx.host_path and native is not None:
             _register_backward(logits, ids, grad_output, ctx.temperature, ctx.ignore_index, native, programs)
         return grad, None
+
+
+def _forward_kernels(logits: torch.Tensor, call: GrpoLossCall, plan: one_read_kernel.OneReadPlan | None,
+                     unit_grad: torch.Tensor | None):
+    """The forward's launches: the reduction weights, then the one-read cluster kernel (``plan``;
+    it writes dlogits for grad_output 1 into ``unit_grad``, or with ``unit_grad=None`` the
+    statistics only) or the two-read statistics kernel, then the metrics and the loss.
+
+    Returns (loss fp32 [], metrics fp32 [4], per_token fp32 [8, T]: the kernels' rows 0-6 (see
+    _grpo_loss_kernel) and the weights in row 7, the host path's (weights, one-read, sums) launches
+    (None where a kernel has none))."""
+    ids, config, temperature, ignore_index = call.target_ids, call.config, call.temperature, call.ignore_index
+    old_logp, ref_logp, advantages, rollout_logp = (
+        f32(call.old_logp), f32(call.ref_logp), f32(call.advantages), f32(call.rollout_logp))
+    call_id = call.deferred
+    num_tokens, vocab = logits.shape
+    per_token = torch.empty((8, num_tokens), dtype=torch.float32, device=logits.device)
+    has_ref = ref_logp is not None
+    weights, weights_native = _token_weights(call.loss_mask, call.lengths, call.cu_seqlens, config.reduction,
+                                             call_id, per_token[7])
+    one_read = None
+    if plan is not None:
+        one_read = one_read_kernel.launch(
+            plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
+            ref_logp, advantages, rollout_logp, weights, per_token, config, float(temperature),
+            ignore_index, kl_type_code(config.kl_type), device_errors.word_for(logits.device).ptr, call_id,
+        )
+    else:
+        block, warps = vocab_block(vocab, logits.dtype, read_only=True)
+        _GRPO_LOSS.launch(
+            (num_tokens,), logits, ids, old_logp, ref_logp if has_ref else old_logp, advantages,
+            rollout_logp if config.use_tis else old_logp, per_token, device_errors.word_for(logits.device).tensor,
+            logits.stride(0), num_tokens, vocab, ignore_index, float(temperature),
+            float(config.eps_clip), float(config.eps_clip_high), float(config.eps_clip_c or 0.0),
+            float(config.tis_clip_low), float(config.tis_clip_high), float(config.kl_loss_coef), call_id,
+            BLOCK_V=block, SCALE=temperature != 1.0, HAS_REF=has_ref,
+            KL_TYPE=kl_type_code(config.kl_type), UNBIASED=config.use_unbiased_kl,
+            DUAL_CLIP=config.eps_clip_c is not None, TIS=config.use_tis, num_warps=warps,
+        )
+    # [4]: pg_loss, pg_clipfrac, ppo_kl, kl_loss, and the loss, in one launch
+    metrics = torch.empty(4, dtype=torch.float32, device=logits.device)
+    loss = torch.empty((), dtype=torch.float32, device=logits.device)
+    sums_native = _WEIGHTED_SUMS.launch_native(
+        (1,), per_token, weights, metrics, loss, num_tokens, float(config.kl_loss_coef),
+        HAS_KL=config.kl_loss_coef != 0.0, BLOCK=SUMS_BLOCK, num_warps=SUMS_WARPS,
+    )
+    return loss, metrics, per_token, (weights_native, one_read, sums_native)
 
 
 def _dlogits(logits, ids, weights, row_stats, grad_output, unit_grad, temperature, ignore_index, inplace):
@@ -559,30 +554,34 @@ def f32(x: torch.Tensor | None) -> torch.Tensor | None:
 grpo_loss = entry_point(GrpoLossCall, grpo_loss_call, name="grpo_loss", checks_values=True)
 
 
-class _ContextOutsideAutograd:
-    """The part of an autograd context GrpoLossFunction's forward and backward use, so that
-    :func:`grpo_loss_unit_grad` can call them directly, without autograd."""
-
-    def __init__(self, needs_grad: bool) -> None:
-        self.needs_input_grad = (needs_grad, False)
-        self.saved_tensors: tuple[torch.Tensor, ...] = ()
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None:
-        self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
-        pass
+def grpo_loss_stats(call: GrpoLossCall, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss fp32 [], metrics fp32 [4] in METRIC_NAMES order, residual fp32 [4, T] with
+    ``needs_grad``, else [4, 0], rows 4-7 of an [8, T] buffer) of a fused-path call (no GSPO, no ``tp_group``, no
+    ``inplace_backward``), without autograd and without dlogits: GrpoLossFunction's forward kernels,
+    the one-read cluster kernel (where it applies) with its statistics only. The residual's rows
+    are what :func:`grpo_loss_dlogits` reads: the unweighted coefficient, row max, sum-exp and the
+    reduction weights. The PyTorch operator's forward (kernels/library/grpo_loss.py) returns these."""
+    plan = one_read_plan(call.logits) if needs_grad else None
+    plan = plan if isinstance(plan, one_read_kernel.OneReadPlan) else None
+    loss, metrics, per_token, _ = _forward_kernels(call.logits, call, plan, None)
+    return loss, metrics, per_token[4:] if needs_grad else per_token.new_empty((8, 0))[4:]
 
 
-def grpo_loss_unit_grad(call: GrpoLossCall, unit_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(loss fp32 [], metrics fp32 [4] in METRIC_NAMES order, dlogits [T, V] for a loss gradient of
-    1 or None) of a fused-path call (no GSPO, no ``tp_group``, no ``inplace_backward``), without
-    autograd: GrpoLossFunction's forward, then with ``unit_grad`` its backward at grad_output 1
-    (the one-read kernel's dlogits as written, or the dlogits kernel), the eager call's bits.
-    The PyTorch operator's forward (kernels/library/grpo_loss.py) returns these."""
-    ctx = _ContextOutsideAutograd(unit_grad)
-    loss, metrics = GrpoLossFunction.forward(ctx, call.logits, call)
-    if not unit_grad:
-        return loss, metrics, None
-    dlogits, _ = GrpoLossFunction.backward(ctx, torch.ones((), dtype=torch.float32, device=loss.device), None)
-    return loss, metrics, dlogits
+def grpo_loss_dlogits(logits: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor, grad_loss: torch.Tensor,
+                      temperature: float, ignore_index: int) -> torch.Tensor:
+    """dlogits [T, V] (contiguous, the logits dtype) for the loss gradient ``grad_loss`` (fp32 [] on
+    the logits' device, read there: no host sync) from :func:`grpo_loss_stats`'s residual: the
+    eager backward's kernels and bits. Two reads: the dlogits kernel with grad_output folded in.
+    One read: the cluster kernel's write sweep from the saved statistics (the eager forward's
+    dlogits for grad_output 1, bit for bit), then the dlogits kernel's rewrite where grad_output
+    is not 1, as the eager backward does."""
+    coef, row_max, sumexp, weights = residual.contiguous().unbind(0)
+    grad_output = grad_loss.to(torch.float32).reshape(1)
+    plan = one_read_plan(logits)
+    unit_grad = None
+    if isinstance(plan, one_read_kernel.OneReadPlan):
+        unit_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        one_read_kernel.write_from_stats(logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64),
+                                         weights, coef, row_max, sumexp, grad_output, float(temperature))
+    return _dlogits(logits, ids, weights, (coef, row_max, sumexp), grad_output, unit_grad, temperature,
+                    ignore_index, False)[0]

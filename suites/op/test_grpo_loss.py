@@ -306,25 +306,3 @@ def test_fused_token_weights_match_the_reference(triton_strict, mask_kind):
     assert torch.equal(per_token, mask.float())
     cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     assert torch.equal(fused_token_weights(mask, None, cu_seqlens, "sum_of_sample_mean", 0), got)
-
-
-@pytest.mark.parametrize("dtype_name", ["fp32", "bf16", "fp16"])
-def test_scale_dlogits_is_the_fp32_product_rounded_once(triton_strict, dtype_name):
-    """The compiled call's backward scales the forward's unit dlogits by grad_loss in one kernel
-    (kernels/library/grpo_loss.py): the fp32 product, one rounding; bitwise on a GPU, within the
-    one ulp of the interpreter's rounding on CPU; grad_output read on the device."""
-    from kernels.ops.grpo_loss import scale_dlogits
-
-    dtype = DTYPES[dtype_name]
-    gen = torch.Generator().manual_seed(5)
-    dlogits = (torch.randn(37, 1031, generator=gen) * 1e-3).to(dtype).to(DEVICE)
-    for g in (1.0, 0.75, 1 / 3, -2.5e-3):
-        grad_loss = torch.tensor(g, dtype=torch.float32, device=DEVICE)
-        got = scale_dlogits(dlogits, grad_loss)
-        want = (dlogits.float() * grad_loss).to(dtype)
-        assert got.dtype == dtype and got.shape == dlogits.shape and got.data_ptr() != dlogits.data_ptr()
-        if DEVICE == "cuda" or dtype == torch.float32 or g == 1.0:
-            assert torch.equal(got, want), f"grad_loss {g}: not the fp32 product rounded once"
-        else:
-            spacing = tolerances.spacing(want.abs().float(), dtype)
-            assert bool(((got.float() - want.float()).abs() <= spacing).all()), f"grad_loss {g}: beyond one ulp"

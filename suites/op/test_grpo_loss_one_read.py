@@ -61,17 +61,22 @@ def test_flag_bits_match_the_cuda_source():
     assert defines == {
         "FLAG_SCALE": one_read.FLAG_SCALE, "FLAG_HAS_REF": one_read.FLAG_HAS_REF,
         "FLAG_UNBIASED": one_read.FLAG_UNBIASED, "FLAG_DUAL_CLIP": one_read.FLAG_DUAL_CLIP,
-        "FLAG_TIS": one_read.FLAG_TIS, "KL_TYPE_SHIFT": one_read.KL_TYPE_SHIFT,
+        "FLAG_TIS": one_read.FLAG_TIS, "FLAG_STATS_ONLY": one_read.FLAG_STATS_ONLY,
+        "KL_TYPE_SHIFT": one_read.KL_TYPE_SHIFT,
     }
     config = LossConfig(eps_clip_c=2.0, use_tis=True, use_unbiased_kl=True, kl_type="low_var_kl")
     flags = one_read.flags_for(config, scale=True, has_ref=True, kl_code=3)
     assert flags == (3 << 8) | 1 | 2 | 4 | 8 | 16
+    assert not flags & one_read.FLAG_STATS_ONLY  # only a stats-only launch sets it
     assert one_read.flags_for(LossConfig(), scale=False, has_ref=False, kl_code=0) == 0
 
 
-def test_argument_list_matches_the_cuda_source():
-    """The driver passes arguments by position: the Python signature must follow the kernel's."""
-    body = SOURCE_TEXT[SOURCE_TEXT.index("#define RLK_DEFINE(NAME, T, C)"):]
+@pytest.mark.parametrize(("macro", "signature"), [("RLK_DEFINE(NAME, T, C)", one_read.SIGNATURE),
+                                                  ("RLK_DEFINE_WRITE(NAME, T)", one_read.WRITE_SIGNATURE)])
+def test_argument_list_matches_the_cuda_source(macro, signature):
+    """The driver passes arguments by position: the Python signatures must follow the kernels'
+    (the cluster kernel, the write-from-statistics kernel)."""
+    body = SOURCE_TEXT[SOURCE_TEXT.index(f"#define {macro}"):]
     params = body[body.index("NAME(") + len("NAME("):body.index(") {")]
     declared = [" ".join(p.replace("\\", " ").split()) for p in params.split(",")]
     kinds = []
@@ -86,7 +91,7 @@ def test_argument_list_matches_the_cuda_source():
             kinds.append("f32")
         else:
             raise AssertionError(f"unexpected kernel parameter {decl!r}")
-    assert tuple(kinds) == one_read.SIGNATURE
+    assert tuple(kinds) == signature
 
 
 def test_fatbin_cache_key_covers_source_and_defines(tmp_path, monkeypatch):

@@ -71,13 +71,14 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def inputs(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One tiny batch on DEVICE: logits [T, V], ids (one ignored row), per-token inputs, hidden/weight/bias."""
+def inputs(dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = V) -> dict[str, torch.Tensor]:
+    """One tiny batch on DEVICE: logits [T, vocab], ids (one ignored row), per-token inputs,
+    hidden/weight/bias (V rows)."""
     g = _gen(seed)
-    ids = torch.randint(0, V, (T,), generator=g)
+    ids = torch.randint(0, vocab, (T,), generator=g)
     ids[2] = -100
     tensors = {
-        "logits": torch.randn(T, V, generator=g) * 3, "ids": ids,
+        "logits": torch.randn(T, vocab, generator=g) * 3, "ids": ids,
         "logp": torch.randn(T, generator=g) - 2, "old_logp": torch.randn(T, generator=g) - 2,
         "ref_logp": torch.randn(T, generator=g) - 2, "advantages": torch.randn(T, generator=g),
         "mask": torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool), "lengths": torch.tensor([2, 4]),
@@ -141,16 +142,16 @@ def _opcheck_samples(x: dict[str, torch.Tensor]) -> dict[str, tuple]:
     config = (c.eps_clip, c.eps_clip_high, c.eps_clip_c, c.kl_loss_coef, c.kl_type, c.use_unbiased_kl, c.use_tis,
               c.tis_clip_low, c.tis_clip_high, c.reduction, c.gspo)
     stats = torch.ops.rlk.logp(x["logits"], x["ids"], 0.7, -100, None, True)[1]
-    dlogits = torch.ops.rlk.grpo_loss(x["logits"], x["ids"], x["old_logp"], x["ref_logp"], x["advantages"],
-                                      x["mask"], x["lengths"], None, None, *config, 0.9, -100, None, True)[2]
+    grpo_inputs = (x["ids"], x["old_logp"], x["ref_logp"], x["advantages"], x["mask"], x["lengths"], None, None,
+                   *config, 0.9, -100, None)
+    residual = torch.ops.rlk.grpo_loss(x["logits"], *grpo_inputs, True)[2]
     return {
         "logp": (grad(x["logits"]), x["ids"], 0.7, -100, None, True),
         "logp_backward": (x["grad"], x["logits"], x["ids"], stats, 0.7, -100, None),
         "ratio_kl": (grad(x["logp"]), x["old_logp"], x["ref_logp"], x["mask"], "k3", True),
         "ratio_kl_backward": (x["grad"], x["grad"] * 2, x["logp"], x["old_logp"], x["ref_logp"], x["mask"], "k3", True),
-        "grpo_loss": (grad(x["logits"]), x["ids"], x["old_logp"], x["ref_logp"], x["advantages"], x["mask"],
-                      x["lengths"], None, None, *config, 0.9, -100, None, True),
-        "grpo_loss_backward": (torch.tensor(0.5, device=DEVICE), dlogits),
+        "grpo_loss": (grad(x["logits"]), *grpo_inputs, True),
+        "grpo_loss_backward": (torch.tensor(0.5, device=DEVICE), residual, x["logits"], *grpo_inputs),
         "linear_logp": (grad(x["hidden"]), grad(x["weight"]), grad(x["bias"]), x["ids"], 0.9, None, 0, V, None),
         "linear_logp_backward": (x["grad"], x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, None, 0, V, None,
                                  True, True, True),
@@ -202,6 +203,114 @@ def test_training_step_fullgraph(backend):
     assert_bitwise(eager[1], compiled[1])
 
 
+# -- grpo_loss: any loss gradient, no [T, V] residual ------------------------------------------------
+
+def _grpo_loss_grads(fn, x: dict[str, torch.Tensor], grad_loss: float, **kwargs):
+    """(loss and metrics, dlogits for the incoming gradient ``grad_loss``) of ``fn`` = grpo_loss."""
+    logits = x["logits"].detach().requires_grad_()
+    loss, metrics = fn(logits, x["ids"], old_logp=x["old_logp"], ref_logp=x["ref_logp"], advantages=x["advantages"],
+                       loss_mask=x["mask"], lengths=x["lengths"], **{"config": CONFIG, "temperature": 0.9, **kwargs})
+    (grad,) = torch.autograd.grad(loss, logits, torch.tensor(grad_loss, device=loss.device))
+    return [loss.detach(), *(m.detach() for m in metrics.values())], [grad]
+
+
+@pytest.mark.parametrize("grad_loss", [1.0, 0.37])
+def test_grpo_loss_compiled_equals_eager_for_any_loss_gradient(backend, grad_loss):
+    """The compiled call's backward runs the eager backward's kernels: the eager bits for
+    ``loss.backward()`` and for any other incoming gradient."""
+    x = inputs(seed=4)
+    eager = _grpo_loss_grads(kernels.grpo_loss, x, grad_loss)
+    compiled = _grpo_loss_grads(torch.compile(kernels.grpo_loss, fullgraph=True), x, grad_loss)
+    assert_bitwise(eager[0], compiled[0])
+    assert_bitwise(eager[1], compiled[1])
+
+
+def _aot_graphs(fn, leaf: torch.Tensor) -> dict[str, torch.fx.GraphModule]:
+    """The forward and backward graphs AOTAutograd hands the compiler for ``fn(leaf)`` (fullgraph; a
+    scalar output, differentiated w.r.t. ``leaf``)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def keep(name):
+        def compiler(gm, _example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")),
+                             fullgraph=True)
+    torch.autograd.grad(compiled(leaf), leaf)
+    return graphs
+
+
+def test_grpo_loss_holds_no_logits_sized_tensor_between_forward_and_backward(backend):
+    """What the compiled forward saves for the backward: the logits themselves (an input, no
+    memory of its own) and [4, T] statistics, never a [T, V] tensor the forward made (dlogits)."""
+    x = inputs(seed=6)
+    logits = x["logits"].detach().requires_grad_()
+
+    def step(logits):
+        return _grpo_loss(dict(x, logits=logits))[0]
+
+    graphs = _aot_graphs(step, logits)
+    (outputs,) = graphs["forward"].graph.find_nodes(op="output")[0].args
+    sized = [node for node in outputs if isinstance(node, torch.fx.Node)
+             and tuple(node.meta["val"].shape) == (T, V)]
+    assert sized and all(node.op == "placeholder" for node in sized), [(n.op, n.target) for n in sized]
+    (backward_call,) = graphs["backward"].graph.find_nodes(op="call_function",
+                                                           target=torch.ops.rlk.grpo_loss_backward.default)
+    residual = backward_call.args[1]
+    assert tuple(residual.meta["val"].shape) == (4, T)
+    torch._dynamo.reset()
+
+
+# (dtype, V, temperature) on the one-read path: one CTA per row (V = 1032) and clusters of 4 (bf16)
+# and 8 (fp32) CTAs (V = 151936)
+ONE_READ_CASES = [(torch.bfloat16, 1032, 0.9), (torch.float32, 1032, 1.0), (torch.bfloat16, 151936, 1.0),
+                  (torch.float32, 151936, 0.9)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "vocab", "temperature"), ONE_READ_CASES,
+                         ids=[f"{str(d)[6:]}-V{v}-T{t}" for d, v, t in ONE_READ_CASES])
+def test_grpo_loss_one_read_compiled_equals_eager(dtype, vocab, temperature, monkeypatch):
+    """On the one-read path (the forward operator runs the cluster kernel for its statistics only, the
+    backward writes dlogits from them, kernels/library/grpo_loss.py): compiled == eager bitwise for
+    incoming gradients 1 and 0.37, the write kernel launched by each compiled backward; opcheck of
+    both operators on the largest rows."""
+    from kernels.ops.cuda import grpo_loss_one_read
+
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in KERNELS_ON.items():
+        monkeypatch.setenv(name, value)
+    x = inputs(dtype, seed=8, vocab=vocab)
+    plan = grpo_loss_one_read.plan(x["logits"])
+    if isinstance(plan, str):
+        pytest.skip(f"the one-read kernel does not run here: {plan}")
+    writes = []
+    write_from_stats = grpo_loss_one_read.write_from_stats
+    monkeypatch.setattr(grpo_loss_one_read, "write_from_stats", lambda *a: writes.append(1) or write_from_stats(*a))
+    compiled = torch.compile(kernels.grpo_loss, fullgraph=True)
+    try:
+        for grad_loss in (1.0, 0.37):
+            eager = _grpo_loss_grads(kernels.grpo_loss, x, grad_loss, temperature=temperature)
+            writes.clear()
+            got = _grpo_loss_grads(compiled, x, grad_loss, temperature=temperature)
+            assert writes == [1], "the compiled backward did not take the one-read write kernel"
+            assert_bitwise(eager[0], got[0])
+            assert_bitwise(eager[1], got[1])
+    finally:
+        torch._dynamo.reset()
+    if vocab > 100000 and dtype == torch.float32:
+        samples = _opcheck_samples(x)
+        for operator in ("grpo_loss", "grpo_loss_backward"):
+            result = torch.library.opcheck(getattr(torch.ops.rlk, operator).default, samples[operator])
+            assert all(v == "SUCCESS" for v in result.values()), (operator, result)
+
+
 # -- rlk-triton's splits ------------------------------------------------------------------------------
 
 def _generic_split_forbidden(*args, **kwargs):
@@ -218,7 +327,7 @@ def test_rlk_triton_splits_run_no_autograd_inside(op, monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(logp_library, "recomputed_grads", _generic_split_forbidden)
     monkeypatch.setattr(ratio_kl_library, "recomputed_grads", _generic_split_forbidden)
-    monkeypatch.setattr(grpo_loss_library, "autograd_inside", _generic_split_forbidden)
+    monkeypatch.setattr(grpo_loss_library, "recomputed_grads", _generic_split_forbidden)
     wrt, fn = OPS[op]
     x = inputs(seed=5)
     try:

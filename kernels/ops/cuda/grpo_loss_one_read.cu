@@ -57,6 +57,7 @@ namespace cg = cooperative_groups;
 #define FLAG_UNBIASED 4   // KL times exp(logp - old)
 #define FLAG_DUAL_CLIP 8  // dual clip with eps_c
 #define FLAG_TIS 16       // truncated importance sampling weight
+#define FLAG_STATS_ONLY 32  // per_token only, no dlogits (grpo_write_from_stats_* writes them later)
 #define KL_TYPE_SHIFT 8   // bits 8..9: 0 k1, 1 k2, 2 k3, 3 low_var_kl
 
 template <typename T> struct Vec;
@@ -559,6 +560,10 @@ __device__ __forceinline__ void grpo_one_read(
     // 3. dlogits for this slice, from shared memory; then the thread that wrote the target's piece
     //    rewrites that one element with the one-hot term (program order: its store lands last).
     //    Same operations and rounding as row_write_grad: c - exp(z - m) * (c / S), -(exp(z - m) * (c / S))
+    if (flags & FLAG_STATS_ONLY) {  // no write sweep; still wait until no other CTA reads `partial`
+        if (C > 1) cluster_wait();
+        return;
+    }
     T* dst = grad + row * stride_grad + col0;
     if (scale) {
         write_slice<T, true>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
@@ -596,3 +601,72 @@ __device__ __forceinline__ void grpo_one_read(
 RLK_DEFINE_DTYPE(fp32, float)
 RLK_DEFINE_DTYPE(bf16, __nv_bfloat16)
 RLK_DEFINE_DTYPE(fp16, __half)
+
+// dlogits for grad_output == 1 from the statistics a FLAG_STATS_ONLY launch saved (per_token rows
+// 4-6: coef, row max, sum-exp; the reduction weights): the cluster kernel's write sweep, bit for
+// bit. CTA b owns row b / blocks_per_row, columns [(b % blocks_per_row) * block_cols, + block_cols)
+// (block_cols * sizeof(T) bytes of dynamic shared memory): it copies them into shared memory at
+// once (cp.async: every piece in flight together, while the row's statistics load), then runs
+// write_slice on the copy and writes the target's element with the one-hot term, as the cluster
+// kernel does on its slice. grad_output is read on the device first: when it is not exactly 1 the
+// CTA returns before reading anything else, and the caller's rewrite (the Triton dlogits kernel,
+// UNLESS_UNIT) writes the rows.
+#ifndef RLK_WRITE_MIN_CTAS
+#define RLK_WRITE_MIN_CTAS 3  // registers for three CTAs of RLK_THREADS per multiprocessor
+#endif
+template <typename T>
+__device__ __forceinline__ void grpo_write_from_stats(
+    const T* __restrict__ logits, T* __restrict__ grad, const int64_t* __restrict__ ids,
+    const float* __restrict__ weights, const float* __restrict__ coef, const float* __restrict__ row_max_in,
+    const float* __restrict__ sumexp, const float* __restrict__ grad_output, int64_t stride_row,
+    int64_t stride_grad, int vocab, int blocks_per_row, int block_cols, float temperature, int flags) {
+    constexpr int VEC = Vec<T>::N;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sblock = reinterpret_cast<T*>(smem_raw);
+    if (*grad_output != 1.0f) return;
+    const int64_t row = blockIdx.x / blocks_per_row;
+    const int col0 = (blockIdx.x % blocks_per_row) * block_cols;
+    const int ncols = max(0, min(vocab - col0, block_cols));
+    const int npieces = (ncols + VEC - 1) / VEC;
+    const int tid = threadIdx.x;
+    const T* src = logits + row * stride_row + col0;
+    // a thread copies exactly the pieces write_slice has it read later: its own wait is enough
+    for (int p = tid; p < npieces; p += RLK_THREADS) {
+        const int bytes = min(VEC, ncols - p * VEC) * static_cast<int>(sizeof(T));
+        cp_async_16(sblock + p * VEC, src + p * VEC, bytes);
+    }
+    cp_async_commit();
+    const bool scale = flags & FLAG_SCALE;
+    // the cluster kernel's c and c / S: c = w * coef [/ T], one IEEE division each
+    float c = weights[row] * coef[row];
+    if (scale) c = __fdiv_rn(c, temperature);
+    const float c_over_s = __fdiv_rn(c, sumexp[row]);
+    const float row_max = row_max_in[row];
+    const int64_t local_target = ids[row] - col0;
+    cp_async_wait<0>();
+    T* dst = grad + row * stride_grad + col0;
+    if (scale) {
+        write_slice<T, true>(sblock, dst, npieces, ncols, temperature, row_max, c_over_s);
+    } else {
+        write_slice<T, false>(sblock, dst, npieces, ncols, temperature, row_max, c_over_s);
+    }
+    if (local_target >= 0 && local_target < ncols && (local_target / VEC) % RLK_THREADS == tid) {
+        float x = to_f32(sblock[local_target]);
+        if (scale) x = __fdiv_rn(x, temperature);
+        dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
+    }
+}
+
+#define RLK_DEFINE_WRITE(NAME, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(RLK_THREADS, RLK_WRITE_MIN_CTAS) NAME(                    \
+        const T* logits, T* grad, const int64_t* ids, const float* weights, const float* coef,            \
+        const float* row_max, const float* sumexp, const float* grad_output, int64_t stride_row,          \
+        int64_t stride_grad, int vocab, int blocks_per_row, int block_cols, float temperature, int flags) { \
+        grpo_write_from_stats<T>(logits, grad, ids, weights, coef, row_max, sumexp, grad_output,          \
+                                 stride_row, stride_grad, vocab, blocks_per_row, block_cols, temperature, \
+                                 flags);                                                                   \
+    }
+
+RLK_DEFINE_WRITE(grpo_write_from_stats_fp32, float)
+RLK_DEFINE_WRITE(grpo_write_from_stats_bf16, __nv_bfloat16)
+RLK_DEFINE_WRITE(grpo_write_from_stats_fp16, __half)

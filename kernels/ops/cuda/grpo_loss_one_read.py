@@ -38,6 +38,7 @@ CLUSTER_SIZES = (1, 2, 4, 8)
 _SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # bit layout of the kernel's `flags` argument (FLAG_* and KL_TYPE_SHIFT in the source)
 FLAG_SCALE, FLAG_HAS_REF, FLAG_UNBIASED, FLAG_DUAL_CLIP, FLAG_TIS = 1, 2, 4, 8, 16
+FLAG_STATS_ONLY = 32  # per_token only: no write sweep (write_from_stats writes dlogits later)
 KL_TYPE_SHIFT = 8
 SIGNATURE = (
     "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",  # logits grad ids old ref adv rollout w per_token
@@ -46,6 +47,14 @@ SIGNATURE = (
     "i32",  # flags
     "ptr", "i64",  # the error word (pinned host memory), the call id (kernels/device_errors.py)
 )
+WRITE_SIGNATURE = (
+    "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",  # logits grad ids weights coef max sumexp grad_output
+    "i64", "i64", "i32", "i32", "i32",  # stride_row stride_grad V blocks_per_row block_cols
+    "f32", "i32",  # temperature flags
+)
+# the write kernel's CTA: up to WRITE_PIECES 16-byte pieces per thread (32 KiB of shared memory),
+# all copied at once; three CTAs per multiprocessor keep ~64 KiB of reads in flight on each
+WRITE_PIECES = 4
 
 
 @dataclass(frozen=True)
@@ -135,30 +144,66 @@ def flags_for(config, *, scale: bool, has_ref: bool, kl_code: int) -> int:
 
 
 def launch(
-    the_plan: OneReadPlan, logits: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, old_logp: torch.Tensor,
+    the_plan: OneReadPlan, logits: torch.Tensor, grad: torch.Tensor | None, ids: torch.Tensor, old_logp: torch.Tensor,
     ref_logp: torch.Tensor | None, advantages: torch.Tensor, rollout_logp: torch.Tensor | None,
     weights: torch.Tensor, per_token: torch.Tensor, config, temperature: float, ignore_index: int, kl_code: int,
     error_word: int, call_id: int,
 ) -> build.CudaKernel:
-    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1;
+    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1
+    (``grad=None``: per_token only, the same bits; :func:`write_from_stats` writes dlogits later);
     returns the kernel it launched (a host path registers its handle).
 
     ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits.
     A row whose id is outside [0, V) and not ignore_index gets NaN terms and dlogits, and a report
     under ``call_id`` at ``error_word`` (its address; kernels/device_errors.py)."""
     num_tokens, vocab = logits.shape
-    defines = (() if THREADS == 512 else (f"RLK_THREADS={THREADS}",)) + EXTRA_DEFINES
-    kernel = build.load_module(SOURCE, logits.device, defines).kernel(the_plan.kernel, SIGNATURE)
+    kernel = _module(logits.device).kernel(the_plan.kernel, SIGNATURE)
     has_ref = ref_logp is not None
     flags = flags_for(config, scale=temperature != 1.0, has_ref=has_ref, kl_code=kl_code)
+    if grad is None:
+        flags |= FLAG_STATS_ONLY
     args = (
-        logits.data_ptr(), grad.data_ptr(), ids.data_ptr(), old_logp.data_ptr(),
+        logits.data_ptr(), 0 if grad is None else grad.data_ptr(), ids.data_ptr(), old_logp.data_ptr(),
         (ref_logp if has_ref else old_logp).data_ptr(), advantages.data_ptr(),
         (rollout_logp if config.use_tis else old_logp).data_ptr(), weights.data_ptr(), per_token.data_ptr(),
-        logits.stride(0), grad.stride(0), num_tokens, vocab, the_plan.slice, ignore_index,
+        logits.stride(0), 0 if grad is None else grad.stride(0), num_tokens, vocab, the_plan.slice, ignore_index,
         temperature, config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
         config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags, error_word, call_id,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
     return kernel
+
+
+def write_from_stats(
+    logits: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, coef: torch.Tensor,
+    row_max: torch.Tensor, sumexp: torch.Tensor, grad_output: torch.Tensor, temperature: float,
+) -> None:
+    """``grad`` = dlogits for grad_output 1 from a stats-only :func:`launch`'s per_token rows (coef,
+    row max, sum-exp) and the weights: the bits the cluster kernel's write sweep gives, each row cut
+    into equal blocks of at most ``THREADS * WRITE_PIECES`` 16-byte pieces (a CTA each). Nothing is
+    written when ``grad_output`` (fp32 [1], read on the device) is not exactly 1: the caller's
+    rewrite writes the rows then.
+
+    logits [T, V] as :func:`plan` accepted them; grad contiguous like logits; ids int64 [T];
+    weights/coef/row_max/sumexp fp32 contiguous [T]."""
+    num_tokens, vocab = logits.shape
+    if num_tokens == 0:
+        return
+    kernel = _module(logits.device).kernel(f"grpo_write_from_stats_{_SUFFIX[logits.dtype]}", WRITE_SIGNATURE)
+    vec = 16 // logits.element_size()
+    pieces = -(-vocab // vec)
+    blocks_per_row = -(-pieces // (THREADS * WRITE_PIECES))
+    block_cols = -(-pieces // blocks_per_row) * vec
+    args = (
+        logits.data_ptr(), grad.data_ptr(), ids.data_ptr(), weights.data_ptr(), coef.data_ptr(), row_max.data_ptr(),
+        sumexp.data_ptr(), grad_output.data_ptr(), logits.stride(0), grad.stride(0), vocab, blocks_per_row,
+        block_cols, temperature, FLAG_SCALE if temperature != 1.0 else 0,
+    )
+    stream = torch.cuda.current_stream(logits.device).cuda_stream
+    kernel.launch(num_tokens * blocks_per_row, THREADS, block_cols * logits.element_size(), args, stream)
+
+
+def _module(device: torch.device) -> build.CudaModule:
+    defines = (() if THREADS == 512 else (f"RLK_THREADS={THREADS}",)) + EXTRA_DEFINES
+    return build.load_module(SOURCE, device, defines)
