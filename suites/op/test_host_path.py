@@ -331,7 +331,8 @@ def test_fast_launch_switch_keeps_every_host_path_off():
     env = {**os.environ, "VIME_RL_KERNEL_FAST_LAUNCH": "0"}
     out = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["switched off by VIME_RL_KERNEL_FAST_LAUNCH", *["python (no kernel registered)"] * 3]
+    assert out.stdout.splitlines() == ["switched off by VIME_RL_KERNEL_FAST_LAUNCH",
+                                       *["python (no kernel registered)"] * 3]
 
 
 # GPU: the host path against the Python path, bitwise
