@@ -72,6 +72,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "host_autograd.h"
 #include "host_common.h"
 
 const char host_common::kHostPath[] = "grpo_loss host path";

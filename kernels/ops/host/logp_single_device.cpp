@@ -61,6 +61,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "host_autograd.h"
 #include "host_common.h"
 
 const char host_common::kHostPath[] = "logp host path";
