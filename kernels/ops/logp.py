@@ -26,7 +26,12 @@ Rows whose id equals ``ignore_index`` give logp 0 and a zero gradient.
 
 Host time: small calls are launch-bound, so the kernels launch through ``kernels.launch``
 (Triton's Python launcher skipped on repeat calls) and a call with nothing to differentiate skips
-``autograd.Function`` and makes one [T] allocation.
+``autograd.Function`` and makes one [T] allocation. Once the Python path below has launched (so
+compiled and registered) the kernels for a key, single-device common-case calls (plain contiguous
+CUDA logits, int64 ids; kernels/ops/host/logp_single_device.cpp says which) take the host path: one
+C++ call that checks, allocates and launches the forward, with a C++ autograd node whose backward
+launches the backward kernel, so neither pass enters Python. Everything else runs the Python path,
+the only one that decides and explains; :func:`host_path` says which path calls take.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels import device_errors
+from kernels import device_errors, launch
 from kernels.contracts import LogpCall, entry_point
-from kernels.launch import CachedLaunch
+from kernels.launch import CachedLaunch, LaunchKeyError
+from kernels.ops.host import HostModule
 from kernels.ops.value_checks import INPUT_TARGET_IDS, bad_target, report_bad_value
 
 
@@ -161,6 +167,8 @@ def _logp_bwd_kernel(
 
 _FWD = CachedLaunch(_logp_fwd_kernel)
 _BWD = CachedLaunch(_logp_bwd_kernel)
+_HOST = HostModule("logp_single_device")
+_host_forward = None  # the host path's forward, once it holds a kernel (see _registered)
 
 
 def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, stats=True, call_id=0, id_bound=None):
@@ -174,7 +182,8 @@ def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, st
     The launch key holds everything Triton specializes this kernel on: the inputs' dtypes,
     16-byte alignment, device and type; the outputs are fresh fp32 allocations (aligned; the
     statistics rows of the [3, T] buffer when T % 4 == 0); the ints by value; the constexprs
-    follow from the rest (checked under ``RLK_VERIFY_LAUNCH_KEYS=1``, see kernels/launch.py)."""
+    follow from the rest (checked under ``RLK_VERIFY_LAUNCH_KEYS=1``, see kernels/launch.py). A
+    single-device launch that keeps its kernel registers it with the host path."""
     num_tokens, vocab = logits.shape
     # one allocation for the [T] outputs (host time: small calls are launch-bound)
     if stats:
@@ -187,10 +196,10 @@ def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, st
     logits_ptr, ids_ptr, out_ptr = logits.data_ptr(), ids.data_ptr(), out.data_ptr()
     stride = logits.stride(0)
     # call_id is not specialized on (do_not_specialize): it stays out of the key; the error word's
-    # pointer is fixed per device (the key's device)
+    # pointer is fixed per device (the key's device); the statistics rows start 4 T and 8 T bytes in
     key = (type(logits), type(ids), logits.get_device(), logits.dtype, ids.dtype, logits_ptr % 16 == 0,
-           ids_ptr % 16 == 0, stats and num_tokens % 4 == 0, vocab, stride, vocab_start, id_bound, ignore_index,
-           temperature != 1.0, partial, stats)
+           ids_ptr % 16 == 0, stats and num_tokens % 4 == 0, stats and num_tokens % 2 == 0, vocab, stride,
+           vocab_start, id_bound, ignore_index, temperature != 1.0, partial, stats)
     direct = _FWD.direct(key)
     if direct is not None:
         # the statistics rows of the [3, T] buffer, or (no statistics) the one [T] output again
@@ -199,12 +208,28 @@ def _launch_fwd(logits, ids, temperature, ignore_index, vocab_start, partial, st
                vocab_start, id_bound, ignore_index, temperature, call_id)
         return out, row_max, row_sumexp
     block, warps = _forward_block(vocab, logits.dtype)
-    _FWD.launch_keyed(
+    cache_key = _FWD.launch_keyed(
         key, (num_tokens,), logits, ids, out, row_max, row_sumexp, word.tensor, stride, vocab, vocab_start,
         id_bound, ignore_index, temperature, call_id, BLOCK_V=block, SCALE=temperature != 1.0, PARTIAL=partial,
         STATS=stats, num_warps=warps,
     )
+    native = None if cache_key is None or partial else _FWD.native_launch(cache_key)
+    if native is not None:
+        module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
+        if module is not None:
+            _registered(module.register_forward(logits, ids, row_max, row_sumexp, temperature, ignore_index, stats,
+                                                native, word.ptr), "forward kernel")
     return out, row_max, row_sumexp
+
+
+def _registered(stored, what: str) -> None:
+    """A host-path registration's answer: True stored, None not a common case, False the host path's key
+    for the kernel holds another one (too coarse: LaunchKeyError)."""
+    global _host_forward
+    if stored is False:
+        raise LaunchKeyError(f"logp host path: its key for this call's {what} holds another compiled kernel")
+    if stored and _host_forward is None:
+        _host_forward = _HOST.load().forward
 
 
 def launch_logp_backward(
@@ -213,14 +238,19 @@ def launch_logp_backward(
 ) -> torch.Tensor:
     """Write ``grad_out * (onehot - softmax) / temperature`` into ``grad_logits`` (may be ``logits``);
     ``row_max`` / ``sumexp``: the (global) row max and sum of exp(z - max), fp32 [T]."""
+    _launch_bwd(logits, grad_logits, ids, grad_out, row_max, sumexp, temperature, ignore_index, vocab_start)
+    return grad_logits
+
+
+def _launch_bwd(logits, grad_logits, ids, grad_out, row_max, sumexp, temperature, ignore_index, vocab_start):
+    """:func:`launch_logp_backward`; returns ``native_launch`` of the kernel it ran, or None."""
     num_tokens, vocab = logits.shape
     block, warps = vocab_block(vocab, logits.dtype)
-    _BWD.launch(
+    return _BWD.launch_native(
         (num_tokens,), logits, grad_logits, ids, grad_out, row_max, sumexp,
         logits.stride(0), grad_logits.stride(0), vocab, vocab_start, ignore_index, float(temperature),
         BLOCK_V=block, SCALE=temperature != 1.0, num_warps=warps,
     )
-    return grad_logits
 
 
 def logp_forward_stats(
@@ -262,15 +292,32 @@ class LogpFunction(torch.autograd.Function):
     def backward(ctx, grad_logp):  # type: ignore[override]
         logits, ids, row_max, sumexp = ctx.saved_tensors
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        launch_logp_backward(
-            logits, grad_logits, ids, grad_logp.contiguous(), row_max, sumexp, ctx.temperature, ctx.ignore_index,
-            ctx.vocab_start,
-        )
+        grad_logp = grad_logp.contiguous()
+        native = _launch_bwd(logits, grad_logits, ids, grad_logp, row_max, sumexp, ctx.temperature, ctx.ignore_index,
+                             ctx.vocab_start)
+        if native is not None and ctx.vocab_start == 0 and _HOST.load() is not None:
+            # the single-device case: the host path's node launches this kernel for later calls
+            _registered(_HOST.load().register_backward(logits, ids, grad_logp, row_max, sumexp, ctx.temperature,
+                                                       ctx.ignore_index, native), "backward kernel")
         return grad_logits, None, None, None, None, None
 
 
+def host_path() -> str:
+    """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
+    ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
+    if _host_forward is not None:
+        return "c++"
+    return f"python ({_HOST.disabled_reason() or 'no kernel registered'})"
+
+
 def logp_call(call: LogpCall) -> torch.Tensor:
-    """Selected log-prob on the Triton kernels: fp32 [T], differentiable w.r.t. ``logits``."""
+    """Selected log-prob on the Triton kernels: fp32 [T], differentiable w.r.t. ``logits``; the host
+    path first."""
+    host_forward = _host_forward
+    if host_forward is not None and launch.fast_path_now() is not None:
+        out = host_forward(call)
+        if out is not None:
+            return out
     logits, target_ids, temperature, ignore_index = call.logits, call.target_ids, call.temperature, call.ignore_index
     if not (logits.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip autograd.Function's bookkeeping (host time of small calls)

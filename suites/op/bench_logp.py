@@ -3,7 +3,9 @@
 Limits: forward reads the logits once (T*V*bytes); forward+backward reads them twice and writes
 dlogits once (3*T*V*bytes). Peers in the same run: torch.compile of the reference math and, where
 importable, Liger's ``fused_selective_log_softmax`` (forward only; its logits are [B, L+1, V]).
-Small shapes are launch-bound and reported separately with the host overhead per call.
+Small shapes are launch-bound and reported separately with the host overhead per call, tagged with
+the path that served it (kernels/ops/logp.py's ``host_path``), and beside it, labelled and never gated,
+the Python path's in the same process (the C++ host path off).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from rlk_bench import (
     OURS,
     dtype_bytes,
+    host_overhead_blocks_us,
     liger_available,
     measure,
     record_host_overhead,
@@ -22,6 +25,7 @@ from rlk_compiled import measure_compiled
 
 import kernels
 from kernels import logp
+from kernels.ops import logp as logp_op
 from kernels.reference import selected_logprob
 
 # the public API as a user calls it: VIME_RL_KERNEL=1, every other setting at its default
@@ -100,5 +104,41 @@ def test_bench_logp_small_launch_bound(rlk_metrics, num_tokens):
     bytes_moved = num_tokens * 151936 * 2
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, memory=False, graph=True)
-        record_host_overhead(rlk_metrics, lambda: logp(logits, ids), tags)
+        record_host_overhead(rlk_metrics, lambda: logp(logits, ids), {**tags, "host_path": logp_op.host_path()})
+        _record_python_path_host_us(rlk_metrics, lambda: logp(logits, ids), tags)
         measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags, memory=False)
+
+
+@pytest.mark.parametrize("num_tokens", [64])
+def test_bench_logp_small_launch_bound_forward_backward(rlk_metrics, num_tokens):
+    """Launch-bound fwd+bwd: host time per call (tagged with the path that served it) and the wall
+    time of the plain call (gated); beside them, never gated, the Python path's host time and the
+    floor in the same process, a trivial ``torch.autograd.grad((x * 2).sum(), x)``."""
+    logits, ids = _inputs(num_tokens, 151936, torch.bfloat16)
+    logits.requires_grad_()
+    grad = torch.ones(num_tokens, device="cuda")
+    tags = {"op": "logp", "pass": "fwd+bwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
+
+    def ours():
+        return torch.autograd.grad(logp(logits, ids), logits, grad)
+
+    measure(rlk_metrics, OURS, ours, 3 * num_tokens * 151936 * 2, tags, memory=False, graph=True)
+    record_host_overhead(rlk_metrics, ours, {**tags, "host_path": logp_op.host_path()})
+    _record_python_path_host_us(rlk_metrics, ours, tags)
+    x = torch.zeros(num_tokens, device="cuda", requires_grad=True)
+    floor = host_overhead_blocks_us(lambda: torch.autograd.grad((x * 2).sum(), x))
+    rlk_metrics.record("autograd_floor_host_us", min(floor), unit="us", direction="lower_is_better", space="time",
+                       tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in floor)}, gate=False)
+
+
+def _record_python_path_host_us(rlk_metrics, fn, tags) -> None:
+    """``python_path_host_us`` (not gated): ``fn``'s host time per call with the C++ host path off
+    and nothing registered meanwhile (which would turn it back on)."""
+    host_forward, registered = logp_op._host_forward, logp_op._registered
+    logp_op._host_forward, logp_op._registered = None, lambda *args: None
+    try:
+        medians = host_overhead_blocks_us(fn)
+    finally:
+        logp_op._host_forward, logp_op._registered = host_forward, registered
+    rlk_metrics.record("python_path_host_us", min(medians), unit="us", direction="lower_is_better", space="time",
+                       tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in medians)}, gate=False)

@@ -1,5 +1,5 @@
 """The ops' host-side C++ fast paths (kernels/ops/host/): ratio_kl's no-grad forward, grpo_loss's
-one-read forward and backward.
+one-read forward and backward, logp's single-device forward and backward.
 
 CPU: the module builds against the installed torch (skipped, with the reason, where there is no
 C++ compiler or torch's headers), declines every call that is not the common case (so the Python
@@ -10,7 +10,10 @@ bad input) still takes the Python path, with its errors; CUDA-graph capture reco
 loss, metrics and dlogits bitwise equal to the Python path's over its configurations (reference
 or none, dual clip, TIS, packing, reductions, temperature, grad_output != 1, a second backward
 through a retained graph), bad ids reported through the error word under the call's id, the public
-call served, CUDA-graph capture of forward and backward.
+call served, CUDA-graph capture of forward and backward. logp: the log-prob and dlogits bitwise equal
+to the Python path's over dtypes, temperature, T (the statistics rows' alignment), with and without a
+gradient, gradients that are ones, random or expanded, a backward through a retained graph, bad ids
+reported under the call's id, the public call served and the rest declined, CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 import triton
 
 from kernels import LossConfig, device_errors, launch
-from kernels.contracts import GrpoLossCall
+from kernels.contracts import GrpoLossCall, LogpCall
 from kernels.ops import grpo_loss as grpo_loss_op
+from kernels.ops import logp as logp_op
 from kernels.ops import ratio_kl as ratio_kl_op
 from kernels.ops.host import HostModule, build
 
@@ -204,6 +208,24 @@ def _replays_to(graph, captured, want):
     assert all(torch.equal(a, b) for a, b in zip(captured, want))
 
 
+def _host_path_replays(step, served, calls: int) -> None:
+    """``step()`` (a list of outputs) captured in a CUDA graph on a side stream, ``calls`` of its
+    calls served by a host path (``served()`` counts them), replays to what it gave eagerly."""
+    want = [x.clone() for x in step()]
+    step()  # every kernel registered by now (a kernel that only a later call in step() registers)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the side stream
+        before = served()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+        assert served() == before + calls
+    torch.cuda.current_stream().wait_stream(stream)
+    _replays_to(graph, captured, want)
+
+
 @pytest.mark.gpu
 def test_host_path_launches_are_recorded_by_cuda_graph_capture():
     _require_host_path()
@@ -298,18 +320,19 @@ def test_fast_launch_switch_keeps_every_host_path_off():
     no host path is built or asked (a fresh process: the switch is read at import)."""
     code = (
         "from kernels import launch\n"
-        "from kernels.ops import grpo_loss, ratio_kl\n"
+        "from kernels.ops import grpo_loss, logp, ratio_kl\n"
         "assert launch._resolve_runtime() is None and launch.fast_path_now() is None\n"
         "assert grpo_loss._host_module() is None\n"
         "print(launch.disabled_reason())\n"
         "print(grpo_loss.host_path())\n"
         "print(ratio_kl.host_path())\n"
+        "print(logp.host_path())\n"
     )
     env = {**os.environ, "VIME_RL_KERNEL_FAST_LAUNCH": "0"}
     out = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["switched off by VIME_RL_KERNEL_FAST_LAUNCH", "python (no kernel registered)",
-                                       "python (no kernel registered)"]
+    assert out.stdout.splitlines() == ["switched off by VIME_RL_KERNEL_FAST_LAUNCH",
+                                       *["python (no kernel registered)"] * 3]
 
 
 # GPU: the host path against the Python path, bitwise
@@ -376,21 +399,30 @@ def _grpo_served():
     return grpo_loss_op._HOST.load().served()
 
 
+def _assert_host_path_is_bitwise_the_python_path(monkeypatch, op_module, run, case, names):
+    """``run(case)`` served by ``op_module``'s host path (once the Python path has registered its
+    kernels) gives outputs ``names`` bitwise equal to its Python path's."""
+    run(case, seed=1)  # the Python path compiles, launches and registers
+    assert op_module._host_forward is not None, "no kernel was registered with the host path"
+    served = op_module._HOST.load().served
+    before = served()
+    host = run(case)
+    assert served() == before + 1, f"the host path did not serve the call: {op_module.host_path()}"
+    monkeypatch.setattr(op_module, "_host_forward", None)
+    python = run(case)
+    torch.cuda.synchronize()
+    assert len(host) == len(python)
+    for name, a, b in zip(names, host, python):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), f"{name} differs between the host path and the Python path"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _GRPO_CASES, ids=lambda c: c[0])
 def test_grpo_host_path_is_bitwise_the_python_path(monkeypatch, case):
     _require_grpo_host_path(monkeypatch)
-    _grpo_run(case, seed=1)  # the Python path compiles, launches and registers
-    assert grpo_loss_op._host_forward is not None, "no kernel was registered with the host path"
-    before = _grpo_served()
-    host = _grpo_run(case)
-    assert _grpo_served() == before + 1, f"the host path did not serve the call: {grpo_loss_op.host_path()}"
-    monkeypatch.setattr(grpo_loss_op, "_host_forward", None)
-    python = _grpo_run(case)
-    torch.cuda.synchronize()
-    for name, a, b in zip(("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "dlogits"), host, python):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a, b), f"{name} differs between the host path and the Python path"
+    _assert_host_path_is_bitwise_the_python_path(monkeypatch, grpo_loss_op, _grpo_run, case,
+                                                 ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "dlogits"))
 
 
 @pytest.mark.gpu
@@ -478,15 +510,206 @@ def test_grpo_host_path_is_recorded_by_cuda_graph_capture(monkeypatch):
         (dlogits,) = torch.autograd.grad(loss, logits)
         return [loss.detach(), metrics["pg_loss"], dlogits]
 
-    want = [x.clone() for x in step()]
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up on the side stream
-        before = _grpo_served()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = step()
-        assert _grpo_served() == before + 1
-    torch.cuda.current_stream().wait_stream(stream)
-    _replays_to(graph, captured, want)
+    _host_path_replays(step, _grpo_served, 1)
+
+
+# ---------------------------------------------------------------- logp's single-device host path
+
+def _logp_module_or_skip():
+    return _host_module_or_skip(logp_op._HOST)
+
+
+def test_logp_host_module_declines_what_is_not_the_common_case():
+    module = _logp_module_or_skip()
+    logits = torch.randn(8, 32).requires_grad_()
+    ids = torch.randint(0, 32, (8,))
+    stats = torch.zeros(3, 8)
+    native = (1, 128, 0, "PPPPPPiiiif")
+    # nothing registered, CPU tensors, other objects: None (the Python path decides and explains)
+    assert module.forward(LogpCall(logits, ids)) is None
+    assert module.forward(object()) is None
+    assert module.register_forward(logits, ids, stats[1], stats[2], 1.0, -100, True, native, 0) is None
+    assert module.register_forward("logits", ids, stats[1], stats[2], 1.0, -100, True, native, 0) is None
+    assert module.register_backward(logits, ids, stats[0], stats[1], stats[2], 1.0, -100, native) is None
+    assert module.register_backward(logits, ids.int(), stats[0], stats[1], stats[2], 1.0, -100, native) is None
+    with pytest.raises(TypeError, match="register_forward takes 9 arguments, got 2"):
+        module.register_forward(logits, ids)
+    with pytest.raises(TypeError, match="register_backward takes 8 arguments, got 1"):
+        module.register_backward(logits)
+    assert module.served() == 0
+
+
+def test_logp_call_takes_the_host_path_only_while_the_fast_path_may_run(monkeypatch):
+    """logp_call asks the host path first, takes its answer, runs the Python path where it declines
+    (None), and does not ask at all when kernels.launch's fast path is off (VIME_RL_KERNEL_FAST_LAUNCH=0,
+    an unverified Triton, key verification, a launch hook)."""
+    asked, answer = [], [torch.zeros(8)]
+
+    def host(call):
+        asked.append(call)
+        return answer[0]
+
+    python_path = []
+    monkeypatch.setattr(logp_op, "_launch_fwd", lambda *a, **k: python_path.append(a) or (torch.ones(8),) * 3)
+    monkeypatch.setattr(logp_op, "_host_forward", host)
+    call = LogpCall(torch.randn(8, 32), torch.randint(0, 32, (8,)))
+    monkeypatch.setattr(launch, "fast_path_now", lambda: _FakeRuntime())
+    assert logp_op.logp_call(call) is answer[0] and asked == [call] and not python_path
+    answer[0] = None  # declined: the Python path runs
+    assert torch.equal(logp_op.logp_call(call), torch.ones(8)) and len(asked) == 2 and len(python_path) == 1
+    monkeypatch.setattr(launch, "fast_path_now", lambda: None)
+    logp_op.logp_call(call)
+    assert len(asked) == 2 and len(python_path) == 2
+
+
+# GPU: logp's host path against its Python path, bitwise
+
+def _require_logp_host_path(monkeypatch):
+    if not triton.__version__.startswith(launch.VERIFIED_TRITON):
+        pytest.skip(f"triton {triton.__version__}: the fast path is off for unverified versions")
+    monkeypatch.setattr(launch, "verify_keys", False)  # key verification sends every call through Python
+    assert launch._resolve_runtime() is not None, launch.disabled_reason()
+    return _logp_module_or_skip()
+
+
+def _logp_gpu_inputs(t, v, dtype, *, seed=0, offset=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = (torch.randn(t * v + offset, device="cuda", generator=gen) * 3).to(dtype)[offset:].view(t, v)
+    ids = torch.randint(0, v, (t,), device="cuda", generator=gen)
+    ids[t // 3] = -100
+    return logits, ids
+
+
+# (name, T, V, dtype, temperature, gradient: None (no grad), "ones", "randn", "sum" (an expanded one))
+_LOGP_CASES = [
+    ("bf16-grad", 64, 32000, torch.bfloat16, 1.0, "randn"),
+    ("bf16-no-grad", 64, 151936, torch.bfloat16, 1.0, None),
+    ("fp16-temperature", 48, 8192, torch.float16, 0.7, "ones"),
+    ("fp32-sum", 7, 4096, torch.float32, 1.0, "sum"),
+    ("fp32-no-grad-one-token", 1, 1000, torch.float32, 1.3, None),
+    ("bf16-T2", 2, 1024, torch.bfloat16, 1.0, "randn"),  # the statistics rows: T % 4 and T % 2
+    ("bf16-T3", 3, 1024, torch.bfloat16, 1.0, "randn"),
+    ("fp32-T130", 130, 32000, torch.float32, 1.0, "randn"),
+]
+
+
+def _logp_run(case, seed=0):
+    """(logp, dlogits or None) of the op's entry point for a case."""
+    _, t, v, dtype, temperature, gradient = case
+    logits, ids = _logp_gpu_inputs(t, v, dtype, seed=seed)
+    if gradient is None:
+        with torch.no_grad():
+            return [logp_op.logp(logits, ids, temperature)]
+    logits.requires_grad_()
+    out = logp_op.logp(logits, ids, temperature)
+    if gradient == "sum":
+        (dlogits,) = torch.autograd.grad(out.sum(), logits)
+    else:
+        g = torch.ones_like(out) if gradient == "ones" else torch.randn(t, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed + 1))
+        (dlogits,) = torch.autograd.grad(out, logits, g)
+    return [out.detach(), dlogits]
+
+
+def _logp_served():
+    return logp_op._HOST.load().served()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _LOGP_CASES, ids=lambda c: c[0])
+def test_logp_host_path_is_bitwise_the_python_path(monkeypatch, case):
+    _require_logp_host_path(monkeypatch)
+    _assert_host_path_is_bitwise_the_python_path(monkeypatch, logp_op, _logp_run, case, ("logp", "dlogits"))
+
+
+@pytest.mark.gpu
+def test_logp_host_path_backward_through_a_retained_graph(monkeypatch):
+    _require_logp_host_path(monkeypatch)
+    case = _LOGP_CASES[0]
+    _logp_run(case)
+
+    def twice():
+        logits, ids = _logp_gpu_inputs(64, 32000, torch.bfloat16)
+        logits.requires_grad_()
+        out = logp_op.logp(logits, ids)
+        out.sum().backward(retain_graph=True)
+        first = logits.grad.clone()
+        out.backward(torch.full_like(out, 0.5))  # accumulates; the graph is freed after this one
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+        return first, logits.grad, out.grad_fn.name()
+
+    before = _logp_served()
+    *host, host_node = twice()
+    assert _logp_served() == before + 1 and host_node == "LogpBackward"
+    monkeypatch.setattr(logp_op, "_host_forward", None)
+    *python, python_node = twice()
+    assert python_node == "LogpFunctionBackward"
+    assert all(torch.equal(a, b) for a, b in zip(host, python))
+
+
+@pytest.mark.gpu
+def test_logp_host_path_serves_the_public_call_and_declines_the_rest(monkeypatch):
+    import kernels
+
+    _require_logp_host_path(monkeypatch)
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    logits, ids = _logp_gpu_inputs(64, 32000, torch.bfloat16)
+    logits.requires_grad_()
+    for _ in range(2):
+        torch.autograd.grad(kernels.logp(logits, ids).sum(), logits)
+    before = _logp_served()
+    out = kernels.logp(logits, ids)
+    assert _logp_served() == before + 1 and out.grad_fn.name() == "LogpBackward"
+    torch.autograd.grad(out.sum(), logits)
+    # not the common case: int32 ids, padded rows (stride 32016), misaligned logits, ids on a stride
+    padded = torch.zeros(64, 32016, dtype=logits.dtype, device="cuda")
+    padded[:, :32000] = logits.detach()
+    misaligned, _ = _logp_gpu_inputs(64, 32000, torch.bfloat16, offset=1)
+    declined = [(logits, ids.int()), (padded[:, :32000].requires_grad_(), ids), (misaligned.requires_grad_(), ids),
+                (logits, ids.repeat(2)[::2])]
+    for args in declined:
+        out = kernels.logp(*args)
+        assert out.grad_fn.name() == "LogpFunctionBackward"
+        torch.autograd.grad(out.sum(), args[0])
+    assert _logp_served() == before + 1
+    with pytest.raises(ValueError, match=r"target_ids must have shape \[64\]"):
+        kernels.logp(logits, ids[:-1])
+
+
+@pytest.mark.gpu
+def test_logp_host_path_reports_bad_ids_through_the_error_word(monkeypatch):
+    _require_logp_host_path(monkeypatch)
+    for case in (_LOGP_CASES[0], _LOGP_CASES[1]):  # with and without a gradient
+        _logp_run(case)
+        device_errors.raise_pending_errors()
+        _, t, v, dtype, _, gradient = case
+        logits, ids = _logp_gpu_inputs(t, v, dtype)
+        logits.requires_grad_(gradient is not None)
+        ids[5] = v
+        before = _logp_served()
+        out = logp_op.logp(logits, ids)
+        assert _logp_served() == before + 1
+        call_id = device_errors._next_id
+        with pytest.raises(device_errors.DeviceInputError, match=rf"target_ids\[5\] = {v}") as raised:
+            device_errors.raise_pending_errors()
+        assert raised.value.call_id == call_id and raised.value.input == "target_ids"
+        assert bool(torch.isnan(out[5])) and bool(torch.isfinite(out[6]))
+
+
+@pytest.mark.gpu
+def test_logp_host_path_is_recorded_by_cuda_graph_capture(monkeypatch):
+    _require_logp_host_path(monkeypatch)
+    _logp_run(_LOGP_CASES[0])
+    logits, ids = _logp_gpu_inputs(64, 32000, torch.bfloat16, seed=3)
+    logits.requires_grad_()
+    grad = torch.randn(64, device="cuda")
+
+    def step():
+        out = logp_op.logp(logits, ids)
+        (dlogits,) = torch.autograd.grad(out, logits, grad)
+        with torch.no_grad():
+            no_grad = logp_op.logp(logits, ids)
+        return [out.detach(), dlogits, no_grad]
+
+    _host_path_replays(step, _logp_served, 2)

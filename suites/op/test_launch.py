@@ -670,6 +670,7 @@ def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
     ops = (logp_op._FWD, ratio_kl_op._FWD)
     with torch.no_grad():
         _op_calls(logits, ids, inputs)  # first calls: Triton's launch, direct launches stored
+        monkeypatch.setattr(logp_op, "_host_forward", None)  # the direct launches, not the host path
         counters = {}
         for op in ops:
             counters[op] = counting = _CountingKernel(op.kernel)

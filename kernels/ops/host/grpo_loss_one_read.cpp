@@ -72,23 +72,16 @@
 #include <unordered_map>
 #include <utility>
 
+#include "host_autograd.h"
 #include "host_common.h"
+
+const char host_common::kHostPath[] = "grpo_loss host path";
 
 namespace {
 
 using namespace host_common;
 
-constexpr int kMaxParams = 32;
-
 // ---------------------------------------------------------------- kernels and their launch
-
-struct TritonKernel {
-  uint64_t function = 0;
-  unsigned threads = 0;
-  unsigned shared = 0;
-  std::string params;  // one letter per parameter Triton's launcher passes: P pointer, i int32, l int64, f fp32
-  int64_t programs = 0;  // dlogits: the grid's cap (one wave of programs)
-};
 
 struct OneReadKernel {
   uint64_t function = 0;
@@ -98,108 +91,12 @@ struct OneReadKernel {
   unsigned shared = 0;
 };
 
-// A kernel argument as Triton sees it: a pointer, an int it specializes on (left out when it is 1),
-// an int it does not (do_not_specialize), an fp32.
-struct Arg {
-  enum Kind { kPtr, kInt, kIntKept, kF32 } kind;
-  int64_t i;
-  double f;
-  static Arg ptr(const void* p) { return {kPtr, static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)), 0.0}; }
-  static Arg ptr(uint64_t p) { return {kPtr, static_cast<int64_t>(p), 0.0}; }
-  static Arg integer(int64_t v) { return {kInt, v, 0.0}; }
-  static Arg kept(int64_t v) { return {kIntKept, v, 0.0}; }
-  static Arg f32(double v) { return {kF32, 0, v}; }
-};
-
-// The parameter buffer of one launch: values and the pointers cuLaunchKernel reads.
-struct Packed {
-  union Slot {
-    uint64_t u64;
-    int64_t i64;
-    int32_t i32;
-    float f32;
-  } slots[kMaxParams];
-  void* params[kMaxParams + 2];
-  uint64_t scratch = 0;
-  int count = 0;
-};
-
-// Fills `out` from `args` as Triton's launcher would with these parameter letters; false if the
-// letters do not fit the arguments (a kernel registered for another specialization).
-bool pack(const std::string& letters, const Arg* args, int nargs, Packed* out) {
-  size_t j = 0;
-  int count = 0;
-  for (int a = 0; a < nargs; ++a) {
-    const Arg& arg = args[a];
-    if (arg.kind == Arg::kInt && arg.i == 1) continue;  // a constexpr to Triton: not passed
-    if (j >= letters.size() || count >= kMaxParams) return false;
-    const char letter = letters[j++];
-    Packed::Slot& slot = out->slots[count];
-    switch (arg.kind) {
-      case Arg::kPtr:
-        if (letter != 'P') return false;
-        slot.u64 = static_cast<uint64_t>(arg.i);
-        break;
-      case Arg::kInt:
-      case Arg::kIntKept:
-        if (letter == 'i') {
-          if (arg.i < -kInt32Max - 1 || arg.i > kInt32Max) return false;
-          slot.i32 = static_cast<int32_t>(arg.i);
-        } else if (letter == 'l') {
-          slot.i64 = arg.i;
-        } else {
-          return false;
-        }
-        break;
-      case Arg::kF32:
-        if (letter != 'f') return false;
-        slot.f32 = static_cast<float>(arg.f);
-        break;
-    }
-    out->params[count] = &slot;
-    ++count;
-  }
-  if (j != letters.size()) return false;
-  out->params[count++] = &out->scratch;  // global scratch
-  out->params[count++] = &out->scratch;  // profile scratch
-  out->count = count;
-  return true;
-}
-
-void launch_or_throw(const char* what, uint64_t function, unsigned grid, unsigned threads, unsigned shared,
-                     void* stream, void** params) {
-  const CUresult result = cu_launch_kernel(reinterpret_cast<CUfunction>(function), grid, 1, 1, threads, 1, 1,
-                                           shared, reinterpret_cast<CUstream>(stream), params, nullptr);
-  if (result != 0) {
-    throw std::runtime_error(std::string("grpo_loss host path: cuLaunchKernel(") + what + ") failed with CUresult " +
-                             std::to_string(result) + " (grid " + std::to_string(grid) + ")");
-  }
-}
-
-void launch_triton(const char* what, const TritonKernel& kernel, unsigned grid, void* stream, const Arg* args,
-                   int nargs) {
-  Packed packed;
-  if (!pack(kernel.params, args, nargs, &packed)) {
-    throw std::runtime_error(std::string("grpo_loss host path: the registered ") + what +
-                             " kernel's parameters " + kernel.params + " do not fit this call");
-  }
-  launch_or_throw(what, kernel.function, grid, kernel.threads, kernel.shared, stream, packed.params);
-}
-
-void* current_stream(c10::DeviceIndex device) {
-  const c10::Device cuda(c10::DeviceType::CUDA, device);
-  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle();
-}
-
 // ---------------------------------------------------------------- registries
 
 std::unordered_map<uint64_t, TritonKernel> weights_kernels, sums_kernels, dlogits_kernels;
 std::unordered_map<uint64_t, OneReadKernel> one_read_kernels;
-std::unordered_map<int, uint64_t> contexts;        // device -> the CUDA context the kernels were loaded in
-std::unordered_map<int, uint64_t> error_words;     // device -> its error word (kernels/device_errors.py)
 PyObject* metric_names[4] = {nullptr, nullptr, nullptr, nullptr};
 PyObject* second_backward = nullptr;
-std::atomic<int64_t> served_calls{0};
 
 // The phases(on) clock: ns per phase summed over the calls since the last phases() call.
 enum Phase { kChecks, kAlloc, kWeights, kOneRead, kSums, kNode, kOutputs, kBackward, kPhases };
@@ -222,28 +119,7 @@ struct PhaseClock {
   }
 };
 
-// The bits Triton specializes an int on: == 1, % 16 == 0, and (for the width) whether it fits int32.
-uint64_t int_bits(int64_t v) {
-  return (v == 1 ? 4u : 0u) | (v % 16 == 0 ? 2u : 0u) | (v >= -kInt32Max - 1 && v <= kInt32Max ? 1u : 0u);
-}
-
-// per_token is a fresh [8, T] fp32 allocation (aligned): row r starts 4 r T bytes in, so rows 5 and 7
-// are 16-byte aligned iff T % 4 == 0, row 6 iff T % 2 == 0 (row 4 always).
-uint64_t rows_bits(int64_t t) { return (t % 4 == 0 ? 2u : 0u) | (t % 2 == 0 ? 1u : 0u); }
-
 // ---------------------------------------------------------------- the call's common case
-
-// obj.name, with the name interned once (a lookup per call, no string built).
-PyObject* get_attr(PyObject* obj, const char* name) {
-  static std::unordered_map<const char*, PyObject*> names;
-  auto found = names.find(name);
-  if (found == names.end()) {
-    PyObject* interned = PyUnicode_InternFromString(name);
-    if (interned == nullptr) return nullptr;
-    found = names.emplace(name, interned).first;
-  }
-  return PyObject_GetAttr(obj, found->second);
-}
 
 struct Config {
   PyObject* object = nullptr;  // the LossConfig these values were read from (a reference is held)
@@ -354,15 +230,6 @@ bool tensor_attr(PyObject* call, const char* name, bool optional, Call* out, con
   return true;
 }
 
-bool int_attr(PyObject* call, const char* name, int64_t* out) {
-  PyObject* value = get_attr(call, name);
-  if (value == nullptr) return false;
-  const bool ok = PyLong_CheckExact(value);
-  if (ok) *out = PyLong_AsLongLong(value);
-  Py_DECREF(value);
-  return ok && !PyErr_Occurred();
-}
-
 bool token_vector(const at::Tensor* t, int64_t n, int device, bool fp32_only) {
   if (t == nullptr || t->dim() != 1 || t->size(0) != n || !t->is_cuda() || t->get_device() != device ||
       !t->is_contiguous()) {
@@ -373,10 +240,7 @@ bool token_vector(const at::Tensor* t, int64_t n, int device, bool fp32_only) {
 
 // Whether `obj` (a GrpoLossCall) is a common-case call (see the contract above); fills `call` if so.
 bool common_case(PyObject* obj, Call* call) {
-  PyObject* tp_group = get_attr(obj, "tp_group");
-  if (tp_group == nullptr) return false;
-  Py_DECREF(tp_group);
-  if (tp_group != Py_None || read_flag(obj, "inplace_backward") != 0) return false;
+  if (!attr_is_none(obj, "tp_group") || read_flag(obj, "inplace_backward") != 0) return false;
   PyObject* config = get_attr(obj, "config");
   if (config == nullptr) return false;
   call->config = read_config(config);
@@ -430,14 +294,7 @@ bool common_case(PyObject* obj, Call* call) {
     call->offsets_kind = 0;
     call->samples = 1;
   }
-  PyObject* temperature = get_attr(obj, "temperature");
-  if (temperature == nullptr) return false;
-  const bool is_float = PyFloat_CheckExact(temperature);
-  call->temperature = is_float ? PyFloat_AS_DOUBLE(temperature) : 0.0;
-  Py_DECREF(temperature);
-  if (!is_float || !(call->temperature > 0.0)) return false;
-  if (!int_attr(obj, "ignore_index", &call->ignore_index) || !int_attr(obj, "deferred", &call->call_id)) return false;
-  return call->call_id >= 0 && call->call_id <= kInt32Max;
+  return call_scalars(obj, &call->temperature, &call->ignore_index, &call->call_id);
 }
 
 // ---------------------------------------------------------------- keys (what Triton specializes each kernel on)
@@ -487,36 +344,15 @@ uint64_t dlogits_key(int device, at::ScalarType dtype, int64_t v, const at::Tens
 
 // ---------------------------------------------------------------- the backward node
 
-void throw_python_error(const char* what) {
-  PyObject *type = nullptr, *value = nullptr, *trace = nullptr;
-  PyErr_Fetch(&type, &value, &trace);
-  std::string message = what;
-  if (value != nullptr) {
-    PyObject* text = PyObject_Str(value);
-    if (text != nullptr && PyUnicode_Check(text)) message += std::string(": ") + PyUnicode_AsUTF8(text);
-    Py_XDECREF(text);
-  }
-  Py_XDECREF(type);
-  Py_XDECREF(value);
-  Py_XDECREF(trace);
-  throw std::runtime_error(message);
-}
-
-struct GrpoLossBackward : public torch::autograd::Node {
-  torch::autograd::SavedVariable logits_, ids_;
+// kernel_: the dlogits kernel (UNLESS_UNIT)
+struct GrpoLossBackward : public LogitsBackward {
   at::Tensor per_token_;  // rows 4-6: coef, row max, sum-exp; row 7: the reduction weights
   at::Tensor unit_grad_;  // dlogits for grad_output 1, written by the forward; handed out once
-  TritonKernel dlogits_;
-  double temperature_;
-  int64_t ignore_index_;
-  int device_;
-  uint64_t context_;
 
   std::string name() const override { return "GrpoLossBackward"; }
 
   void release_variables() override {
-    logits_.reset_data();
-    ids_.reset_data();
+    LogitsBackward::release_variables();
     per_token_.reset();
     unit_grad_.reset();
   }
@@ -532,12 +368,7 @@ struct GrpoLossBackward : public torch::autograd::Node {
     if (g.scalar_type() != at::kFloat || !aligned(g.data_ptr())) {
       g = at::empty({1}, g.options().dtype(at::kFloat)).copy_(g);  // the key's specialization: aligned fp32
     }
-    CUcontext context = nullptr;
-    if (cu_ctx_get_current(&context) != 0 || reinterpret_cast<uint64_t>(context) != context_) {
-      if (cu_ctx_set_current(reinterpret_cast<CUcontext>(context_)) != 0) {
-        throw std::runtime_error("grpo_loss host path: cannot make the kernels' CUDA context current");
-      }
-    }
+    make_current(context_);
     at::Tensor grad = std::move(unit_grad_);
     const char* rows = static_cast<const char*>(per_token_.data_ptr());
     const int64_t row_bytes = 4 * t;
@@ -548,8 +379,8 @@ struct GrpoLossBackward : public torch::autograd::Node {
         Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index_), Arg::f32(temperature_),
         Arg::integer(t),
     };
-    const int64_t programs = std::min(t, dlogits_.programs);
-    launch_triton("dlogits", dlogits_, static_cast<unsigned>(programs), current_stream(device_), args, 14);
+    const int64_t programs = std::min(t, kernel_.programs);
+    launch_triton("dlogits", kernel_, static_cast<unsigned>(programs), current_stream(device_), args, 14);
     clock.mark(kBackward);
     return {grad};
   }
@@ -580,18 +411,6 @@ struct GrpoLossBackward : public torch::autograd::Node {
   }
 };
 
-// torch 2.11 holds nodes in std::shared_ptr, later versions in c10::intrusive_ptr: Edge says which.
-using NodePtr = decltype(torch::autograd::Edge().function);
-
-template <typename Ptr, typename N>
-Ptr make_node() {
-  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
-    return Ptr(new N());
-  } else {
-    return c10::make_intrusive<N>();
-  }
-}
-
 // ---------------------------------------------------------------- forward
 
 PyObject* forward(PyObject*, PyObject* call_obj) {
@@ -607,17 +426,14 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
   const auto dlogits = dlogits_kernels.find(
       dlogits_key(call.device, call.logits->scalar_type(), call.v, *call.ids, call.t, call.ignore_index,
                   call.temperature));
-  const auto context = contexts.find(call.device);
-  const auto word = error_words.find(call.device);
   if (weights == weights_kernels.end() || one_read == one_read_kernels.end() || sums == sums_kernels.end() ||
-      dlogits == dlogits_kernels.end() || context == contexts.end() || word == error_words.end()) {
+      dlogits == dlogits_kernels.end()) {
     Py_RETURN_NONE;
   }
   try {
+    uint64_t context = 0, err = 0;
+    if (!launchable_now(call.device, &context, &err)) Py_RETURN_NONE;
     const c10::DeviceIndex device = static_cast<c10::DeviceIndex>(call.device);
-    if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() != device) Py_RETURN_NONE;
-    CUcontext current = nullptr;
-    if (cu_ctx_get_current(&current) != 0 || reinterpret_cast<uint64_t>(current) != context->second) Py_RETURN_NONE;
     void* stream = current_stream(device);
     const at::Tensor& logits = *call.logits;
     const Config& cfg = *call.config;
@@ -631,7 +447,6 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
     clock.mark(kAlloc);
     char* rows = static_cast<char*>(per_token.data_ptr());
     char* weights_ptr = rows + 7 * 4 * t;
-    const uint64_t err = word->second;
     {
       const Arg args[] = {Arg::ptr(call.loss_mask->data_ptr()), Arg::ptr(call.offsets->data_ptr()),
                           Arg::ptr(weights_ptr), Arg::ptr(err), Arg::integer(t), Arg::integer(call.samples),
@@ -680,19 +495,10 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
       launch_triton("weighted sums", sums->second, 1, stream, args, 6);
     }
     clock.mark(kSums);
-    auto node = make_node<NodePtr, GrpoLossBackward>();
-    auto* grpo = static_cast<GrpoLossBackward*>(node.get());
-    grpo->set_next_edges(torch::autograd::collect_next_edges(logits));
-    grpo->logits_ = torch::autograd::SavedVariable(logits, false);
-    grpo->ids_ = torch::autograd::SavedVariable(*call.ids, false);
+    auto* grpo = attach_logits_node<GrpoLossBackward>(loss, logits, *call.ids, dlogits->second, call.temperature,
+                                                     call.ignore_index, context);
     grpo->per_token_ = per_token;
     grpo->unit_grad_ = std::move(unit_grad);
-    grpo->dlogits_ = dlogits->second;
-    grpo->temperature_ = call.temperature;
-    grpo->ignore_index_ = call.ignore_index;
-    grpo->device_ = call.device;
-    grpo->context_ = context->second;
-    torch::autograd::create_gradient_edge(loss, std::move(node));
     clock.mark(kNode);
     std::vector<at::Tensor> parts = at::unbind(metrics, 0);
     PyObject* dict = PyDict_New();
@@ -724,51 +530,6 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
 
 // ---------------------------------------------------------------- registration
 
-// The Triton kernel described by native (handle, threads, shared, letters), or false with a Python error.
-bool read_native(PyObject* native, TritonKernel* out) {
-  unsigned long long function = 0;
-  unsigned int threads = 0, shared = 0;
-  const char* letters = nullptr;
-  if (!PyArg_ParseTuple(native, "KIIs", &function, &threads, &shared, &letters)) return false;
-  out->function = function, out->threads = threads, out->shared = shared, out->params = letters;
-  return true;
-}
-
-// Stores `kernel` under `key`: 1 stored or already there, 0 the key holds another kernel.
-int store(std::unordered_map<uint64_t, TritonKernel>& registry, uint64_t key, TritonKernel kernel) {
-  const auto known = registry.find(key);
-  if (known != registry.end()) {
-    const TritonKernel& old = known->second;
-    return old.function == kernel.function && old.threads == kernel.threads && old.shared == kernel.shared &&
-           old.params == kernel.params && old.programs == kernel.programs;
-  }
-  registry.emplace(key, std::move(kernel));
-  return 1;
-}
-
-bool check_fits(const char* what, const TritonKernel& kernel, const Arg* args, int nargs) {
-  Packed packed;
-  if (pack(kernel.params, args, nargs, &packed)) return true;
-  PyErr_Format(PyExc_ValueError, "grpo_loss host path: the %s kernel's parameters %s do not fit its call", what,
-               kernel.params.c_str());
-  return false;
-}
-
-bool remember_context(int device) {
-  CUcontext context = nullptr;
-  if (cu_ctx_get_current(&context) != 0 || context == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "grpo_loss host path: no current CUDA context after a launch");
-    return false;
-  }
-  const auto known = contexts.find(device);
-  if (known != contexts.end() && known->second != reinterpret_cast<uint64_t>(context)) {
-    PyErr_Format(PyExc_RuntimeError, "grpo_loss host path: device %d's CUDA context changed", device);
-    return false;
-  }
-  contexts[device] = reinterpret_cast<uint64_t>(context);
-  return true;
-}
-
 PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!takes("register_forward", nargs, 5)) return nullptr;
   Call call;
@@ -781,10 +542,7 @@ PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_Clear();
     Py_RETURN_NONE;  // not a call the host path serves: nothing to store
   }
-  if (!resolve_driver()) {
-    PyErr_SetString(PyExc_RuntimeError, "grpo_loss host path: libcuda.so.1 is not loaded or lacks cuLaunchKernel");
-    return nullptr;
-  }
+  if (!driver_or_error()) return nullptr;
   TritonKernel weights, sums;
   OneReadKernel one_read;
   unsigned long long one_read_function = 0, one_read_word = 0;
@@ -811,13 +569,7 @@ PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_fits("token weights", weights, weights_args, 7) || !check_fits("weighted sums", sums, sums_args, 6)) {
     return nullptr;
   }
-  if (!remember_context(call.device)) return nullptr;
-  const auto word = error_words.find(call.device);
-  if (word != error_words.end() && word->second != one_read_word) {
-    PyErr_Format(PyExc_RuntimeError, "grpo_loss host path: device %d's error word moved", call.device);
-    return nullptr;
-  }
-  error_words[call.device] = one_read_word;
+  if (!remember_context(call.device) || !remember_error_word(call.device, one_read_word)) return nullptr;
   const uint64_t one_read_at = one_read_key(call.device, call.logits->scalar_type(), call.v);
   const auto known = one_read_kernels.find(one_read_at);
   if (known != one_read_kernels.end()) {
@@ -855,10 +607,7 @@ PyObject* register_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
       grad_output.scalar_type() != at::kFloat || grad_output.numel() != 1 || !aligned(grad_output.data_ptr())) {
     Py_RETURN_NONE;
   }
-  if (!resolve_driver()) {
-    PyErr_SetString(PyExc_RuntimeError, "grpo_loss host path: libcuda.so.1 is not loaded or lacks cuLaunchKernel");
-    return nullptr;
-  }
+  if (!driver_or_error()) return nullptr;
   TritonKernel kernel;
   if (!read_native(args[5], &kernel)) return nullptr;
   kernel.programs = PyLong_AsLongLong(args[6]);
@@ -910,8 +659,6 @@ PyObject* clear(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-PyObject* served(PyObject*, PyObject*) { return PyLong_FromLongLong(served_calls.load()); }
-
 PyObject* phases(PyObject*, PyObject* on) {
   const int enable = PyObject_IsTrue(on);
   if (enable < 0) return nullptr;
@@ -932,17 +679,13 @@ PyObject* phases(PyObject*, PyObject* on) {
 }
 
 PyMethodDef methods[] = {
-    {"forward", forward, METH_O, "forward(call) -> (loss, metrics) | None (not the common case, or not registered)"},
-    {"register_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_forward)), METH_FASTCALL,
-     "register_forward(call, weights_native, (one_read_function, cluster, slice, threads, shared), sums_native,"
-     " error_word) -> True | False (a key holds another kernel) | None (not a common case)"},
-    {"register_backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_backward)),
-     METH_FASTCALL,
-     "register_backward(logits, ids, grad_output, temperature, ignore_index, dlogits_native, programs)"
-     " -> True | False | None"},
+    HOST_PATH_METHODS(
+        "forward(call) -> (loss, metrics) | None (not the common case, or not registered)",
+        "register_forward(call, weights_native, (one_read_function, cluster, slice, threads, shared), sums_native,"
+        " error_word) -> True | False (a key holds another kernel) | None (not a common case)",
+        "register_backward(logits, ids, grad_output, temperature, ignore_index, dlogits_native, programs)"
+        " -> True | False | None"),
     {"configure", configure, METH_VARARGS, "configure(metric_names, second_backward)"},
-    {"clear", clear, METH_NOARGS, "forget every registered kernel"},
-    {"served", served, METH_NOARGS, "calls the host path has served in this process"},
     {"phases", phases, METH_O, "phases(on) -> {phase: mean us per call since the last phases() call}; on: keep timing"},
     {nullptr, nullptr, 0, nullptr},
 };
