@@ -379,6 +379,27 @@ __device__ __forceinline__ void write_slice(const T* srow, T* dst, int npieces, 
     }
 }
 
+// dlogits of a slice held in shared memory: write_slice's -exp(z - m) * (c / S) everywhere, then
+// the thread that wrote the target's piece rewrites that one element with the one-hot term
+// (program order: its store lands last), c - exp(z - m) * (c / S): row_write_grad's operations and
+// rounding. `local_target` is the target's column in the slice (outside [0, ncols): none here).
+template <typename T>
+__device__ __forceinline__ void write_dlogits(const T* srow, T* dst, int npieces, int ncols, bool scale,
+                                              float temperature, float row_max, float c, float c_over_s,
+                                              int64_t local_target) {
+    constexpr int VEC = Vec<T>::N;
+    if (scale) {
+        write_slice<T, true>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
+    } else {
+        write_slice<T, false>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
+    }
+    if (local_target >= 0 && local_target < ncols && (local_target / VEC) % RLK_THREADS == threadIdx.x) {
+        float x = to_f32(srow[local_target]);
+        if (scale) x = __fdiv_rn(x, temperature);
+        dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
+    }
+}
+
 template <typename T, int C>
 __device__ __forceinline__ void grpo_one_read(
     const T* __restrict__ logits, T* __restrict__ grad, const int64_t* __restrict__ ids,
@@ -557,24 +578,13 @@ __device__ __forceinline__ void grpo_one_read(
     const float row_max = coef_smem[2];
     const int64_t local_target = target - col0;
 
-    // 3. dlogits for this slice, from shared memory; then the thread that wrote the target's piece
-    //    rewrites that one element with the one-hot term (program order: its store lands last).
-    //    Same operations and rounding as row_write_grad: c - exp(z - m) * (c / S), -(exp(z - m) * (c / S))
+    // 3. dlogits for this slice, from shared memory (write_dlogits)
     if (flags & FLAG_STATS_ONLY) {  // no write sweep; still wait until no other CTA reads `partial`
         if (C > 1) cluster_wait();
         return;
     }
-    T* dst = grad + row * stride_grad + col0;
-    if (scale) {
-        write_slice<T, true>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
-    } else {
-        write_slice<T, false>(srow, dst, npieces, ncols, temperature, row_max, c_over_s);
-    }
-    if (local_target >= 0 && local_target < ncols && (local_target / VEC) % RLK_THREADS == tid) {
-        float x = to_f32(srow[local_target]);
-        if (scale) x = __fdiv_rn(x, temperature);
-        dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
-    }
+    write_dlogits(srow, grad + row * stride_grad + col0, npieces, ncols, scale, temperature, row_max, c, c_over_s,
+                  local_target);
     // a CTA must not exit while another may still read its shared memory
     if (C > 1) cluster_wait();
 }
@@ -644,17 +654,8 @@ __device__ __forceinline__ void grpo_write_from_stats(
     const float row_max = row_max_in[row];
     const int64_t local_target = ids[row] - col0;
     cp_async_wait<0>();
-    T* dst = grad + row * stride_grad + col0;
-    if (scale) {
-        write_slice<T, true>(sblock, dst, npieces, ncols, temperature, row_max, c_over_s);
-    } else {
-        write_slice<T, false>(sblock, dst, npieces, ncols, temperature, row_max, c_over_s);
-    }
-    if (local_target >= 0 && local_target < ncols && (local_target / VEC) % RLK_THREADS == tid) {
-        float x = to_f32(sblock[local_target]);
-        if (scale) x = __fdiv_rn(x, temperature);
-        dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
-    }
+    write_dlogits(sblock, grad + row * stride_grad + col0, npieces, ncols, scale, temperature, row_max, c, c_over_s,
+                  local_target);
 }
 
 #define RLK_DEFINE_WRITE(NAME, T)                                                                          \
