@@ -305,9 +305,7 @@ class LogpFunction(torch.autograd.Function):
 def host_path() -> str:
     """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
     ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
-    if _host_forward is not None:
-        return "c++"
-    return f"python ({_HOST.disabled_reason() or 'no kernel registered'})"
+    return _HOST.path_label(_host_forward is not None)
 
 
 def logp_call(call: LogpCall) -> torch.Tensor:

@@ -163,9 +163,7 @@ def _register_host(cache_key: tuple, logp, old_logp, ref_logp, mask, kl_code, un
 def host_path() -> str:
     """Which path no-grad calls take now: ``c++`` (the host path holds a kernel), or ``python``
     and why not (for benchmark tags)."""
-    if _host_forward is not None:
-        return "c++"
-    return f"python ({_HOST.disabled_reason() or 'no kernel registered'})"
+    return _HOST.path_label(_host_forward is not None)
 
 
 class RatioKLFunction(torch.autograd.Function):

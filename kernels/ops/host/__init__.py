@@ -9,9 +9,10 @@ Python path, with its checks and error messages, stays the only one that decides
 Modules: ``ratio_kl_forward.cpp`` (ratio_kl's no-grad forward), ``grpo_loss_one_read.cpp``
 (grpo_loss's one-read forward) and ``logp_single_device.cpp`` (logp's forward without TP), the last
 two with a C++ autograd node for their backward, so that neither pass enters Python; what they
-share (launching a registered Triton kernel, keys, the node's saved inputs) is ``host_common.h``. Each module is ``<op>_<what>.cpp``; :class:`HostModule` builds it with ``build.py`` (g++ against
-the installed torch's headers, cached) the first time the op has a kernel to register, and says
-so. If it cannot (no compiler, no headers), it logs the reason once and the op keeps its Python
+share is ``host_common.h`` (launching a registered Triton kernel, keys, reading call objects) and
+``host_autograd.h`` (the node's saved inputs). Each module is ``<op>_<what>.cpp``;
+:class:`HostModule` builds it with ``build.py`` (g++ against the installed torch's headers,
+cached) the first time the op has a kernel to register, and says so. If it cannot (no compiler, no headers), it logs the reason once and the op keeps its Python
 path: the same results, more host time. With ``VIME_RL_KERNEL_FAST_LAUNCH=0`` (or on CPU, under
 the Triton interpreter) nothing is registered, so nothing is built.
 """
@@ -36,6 +37,13 @@ class HostModule:
         self._module: ModuleType | None = None
         self._disabled: str | None = None
         self._lock = threading.Lock()
+
+    def path_label(self, holds_kernels: bool) -> str:
+        """Which path an op's common-case calls take now, for benchmark tags: ``c++`` (the op's
+        host path holds its kernels), or ``python`` and why not."""
+        if holds_kernels:
+            return "c++"
+        return f"python ({self._disabled or 'no kernel registered'})"
 
     def disabled_reason(self) -> str | None:
         """Why this module is not in use (None: loaded, or not tried yet)."""
