@@ -252,7 +252,15 @@ def test_rlk_triton_splits_run_no_autograd_inside(op, monkeypatch):
 
 # -- linear_logp's split on rlk-triton ------------------------------------------------------------------
 
-LLP_T, LLP_H, LLP_V = 24, 40, 200  # T <= H: the weight gradient can hold the logits; several vocab tiles
+LLP_T, LLP_H = 24, 40  # T <= H: the weight gradient can hold the logits
+
+
+def _llp_v() -> int:
+    """A vocab of several of the run's vocab tiles (bf16 and fp32; the interpreter's or a GPU's), a
+    partial last one."""
+    from kernels.ops import linear_logp as op_module
+
+    return 3 * max(op_module._tile_config(dtype).block_v for dtype in (torch.bfloat16, torch.float32)) + 8
 
 
 def _linear_logp_plan(plan: str, dtype: torch.dtype, monkeypatch) -> int | None:
@@ -264,28 +272,29 @@ def _linear_logp_plan(plan: str, dtype: torch.dtype, monkeypatch) -> int | None:
 
     monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "1" if plan == "in_weight_grad" else "0")
     monkeypatch.setenv(op_module.SAVE_LOGITS_ENV, "0" if plan == "none" else "1")
-    block_v = op_module._tile_config(dtype).block_v
+    V, block_v = _llp_v(), op_module._tile_config(dtype).block_v
     element = torch.empty((), dtype=dtype).element_size()
     cols = {"in_weight_grad": block_v, "some": 2 * block_v}.get(plan)
     budget = None if cols is None else op_module._workspace(
-        LLP_T, LLP_H, LLP_V, element, block_v, LLP_V if plan == "in_weight_grad" else cols, cols, True,
+        LLP_T, LLP_H, V, element, block_v, V if plan == "in_weight_grad" else cols, cols, True,
         plan == "in_weight_grad")
-    found = op_module._plan(LLP_T, LLP_H, LLP_V, dtype, budget or op_module.DEFAULT_WORKSPACE_BYTES,
+    found = op_module._plan(LLP_T, LLP_H, V, dtype, budget or op_module.DEFAULT_WORKSPACE_BYTES,
                             explicit=budget is not None, save=plan != "none", tp=False,
                             weight_grad=plan == "in_weight_grad")
-    kept = {"in_weight_grad": LLP_V, "all": LLP_V, "some": cols, "none": 0}[plan]
+    kept = {"in_weight_grad": V, "all": V, "some": cols, "none": 0}[plan]
     assert (found.saved_cols, found.in_weight_grad) == (kept, plan == "in_weight_grad"), found
     if plan == "in_weight_grad":
-        assert len(op_module._even_chunks(0, LLP_V, found.buffer_cols, block_v)) > 1, found
+        assert len(op_module._even_chunks(0, V, found.buffer_cols, block_v)) > 1, found
     return budget
 
 
 def _linear_logp_inputs(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     g = _gen(seed)
-    ids = torch.randint(0, LLP_V, (LLP_T,), generator=g)
-    ids[:3] = torch.tensor([0, LLP_V - 1, -100])
-    x = {"hidden": torch.randn(LLP_T, LLP_H, generator=g), "weight": torch.randn(LLP_V, LLP_H, generator=g) / 3,
-         "bias": torch.randn(LLP_V, generator=g), "ids": ids, "grad": torch.randn(LLP_T, generator=g)}
+    V = _llp_v()
+    ids = torch.randint(0, V, (LLP_T,), generator=g)
+    ids[:3] = torch.tensor([0, V - 1, -100])
+    x = {"hidden": torch.randn(LLP_T, LLP_H, generator=g), "weight": torch.randn(V, LLP_H, generator=g) / 3,
+         "bias": torch.randn(V, generator=g), "ids": ids, "grad": torch.randn(LLP_T, generator=g)}
     return {k: v.to(DEVICE, dtype=dtype if v.is_floating_point() and k != "grad" else None) for k, v in x.items()}
 
 
@@ -342,12 +351,12 @@ def test_linear_logp_forward_operator_returns_the_plans_residuals(plan, rlk_trit
     budget = _linear_logp_plan(plan, torch.bfloat16, monkeypatch)
     x = _linear_logp_inputs(torch.bfloat16, seed=9)
     layout = _linear_logp_layout(x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, budget)
-    args = (x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, None, 0, LLP_V, budget, True, True, True)
+    args = (x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, None, 0, _llp_v(), budget, True, True, True)
     logp, stats, kept = torch.ops.rlk.linear_logp(*args, layout)
     block_v = op_module._tile_config(torch.bfloat16).block_v
-    tiles = {"in_weight_grad": -(-LLP_V // block_v), "some": 2, "none": 0}[plan]
+    tiles = {"in_weight_grad": -(-_llp_v() // block_v), "some": 2, "none": 0}[plan]
     assert stats.shape == (2 + tiles, LLP_T) and stats.dtype == torch.float32
-    shape = {"in_weight_grad": (LLP_V, LLP_T), "some": (LLP_T, 2 * block_v), "none": (0, 0)}[plan]
+    shape = {"in_weight_grad": (_llp_v(), LLP_T), "some": (LLP_T, 2 * block_v), "none": (0, 0)}[plan]
     assert kept.shape == shape and kept.dtype == torch.bfloat16
     with torch.no_grad():
         assert_bitwise([logp], [kernels.linear_logp(x["hidden"], x["weight"], x["ids"], x["bias"], 0.9)])
@@ -396,7 +405,7 @@ def test_linear_logp_backward_refuses_residuals_of_another_plan(rlk_triton, monk
 
     budget = _linear_logp_plan("in_weight_grad", torch.bfloat16, monkeypatch)
     x = _linear_logp_inputs(torch.bfloat16, seed=10)
-    rest = (0.9, None, 0, LLP_V, budget)
+    rest = (0.9, None, 0, _llp_v(), budget)
     layout = _linear_logp_layout(x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, budget)
     _, stats, kept = torch.ops.rlk.linear_logp(x["hidden"], x["weight"], x["bias"], x["ids"], *rest, True, True, True,
                                                layout)
