@@ -16,8 +16,9 @@ Where the operator boundary sits (docs/kernels.md, "PyTorch operators"): the pub
 checks its inputs (the contract) and calls the operator; the operator's real implementation runs
 the dispatch (kernels/dispatch.py: backend choice, strict mode, fallback counts and the loud
 fallback line, per call, also in compiled code) and the backend's implementation. The forward's
-residuals have one layout per op whatever the backend (the fake implementation cannot know which
-backend will serve the call): kernels/library/serve.py.
+residuals have one layout per op whatever backend serves the call at run time (the fake
+implementation cannot know which will); linear_logp's layout is an argument of its operator,
+planned while the public function is traced: kernels/library/serve.py.
 
 Under ``torch.compile`` the public functions call these operators; eager calls run the same
 backend implementations without the operator layer (a custom operator's dispatch costs tens of

@@ -13,8 +13,10 @@ residuals its backward reads), and any other backend runs the generic split here
 without autograd, the backward recomputing the forward with autograd and differentiating it
 (:func:`recomputed_grads`), which gives the bits of the backend's own backward at the cost of one
 more forward (autograd recorded inside the operator: kernels/library/torch_internals.py).
-Residuals have one layout per op whatever the backend (the fake implementation states it without
-knowing who serves the call).
+Residuals have one layout per op whatever backend serves the call at run time (the fake
+implementation states it without knowing which will); linear_logp's layout, which its workspace
+plan decides, is an argument of the operator, computed while the public function is traced (the
+settings it reads become guards) and checked by the forward that runs.
 
 Vocab-parallel calls: an operator takes the process group by its registered name
 (:func:`registered_name`, as PyTorch's functional collectives do); :func:`tp_fields` resolves it.

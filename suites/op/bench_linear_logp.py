@@ -19,7 +19,8 @@ op's products, 2*T*H*V flops each, per second). Peers timed in the same process:
 TRL's ``trl.kernels.ChunkedLogProbFunction`` (chunk 32768, TRL's own default), Cut Cross-Entropy's
 ``linear_cross_entropy(..., reduction="none")`` (= -logp, its default gradient filter), Liger's
 chunked selective log-prob, and Liger's fused linear scaled cross-entropy where its Hopper path
-imports (it needs ``nvidia-cutlass-dsl``). Times: ``pytest_rlk.timing.bench`` (CUDA events, L2
+imports (it needs ``nvidia-cutlass-dsl``). ``compiled_ops`` (a labelled variant): the public call
+under ``torch.compile(fullgraph=True)`` (the ``torch.ops.rlk`` operators), in the rounds too. Times: ``pytest_rlk.timing.bench`` (CUDA events, L2
 flushed, median); memory: ``peak_extra_memory`` (``<impl>_peak_extra_bytes`` beside each time; in
 the accuracy test minus the gradients the call returns).
 
@@ -309,6 +310,19 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
         # one block of each, with its peak memory; the time that gates is the interleaved median below
         measure(rlk_metrics, name, fns[name], bytes_moved, tags, gate_time=False)
         peak[name] = rlk_metrics.metrics[f"{name}_peak_extra_bytes"].value
+
+    def compiled_ours(f):
+        if pass_name == "fwd":
+            with torch.no_grad():
+                return f(hidden, weight, ids)
+        return torch.autograd.grad(f(hidden, weight, ids), (hidden, weight), upstream)
+
+    _select_variant(monkeypatch, "rlk")  # the compiled variant runs with every setting at its default
+    measure_compiled(rlk_metrics, kernels.linear_logp, compiled_ours, bytes_moved, tags)
+    peak[COMPILED] = rlk_metrics.metrics[f"{COMPILED}_peak_extra_bytes"].value
+    # in the interleaved rounds too (the graphs measure_compiled compiled), beside the plain call
+    compiled = torch.compile(kernels.linear_logp, fullgraph=True)
+    fns[COMPILED] = lambda: compiled_ours(compiled)
     operands = (hidden.detach(), weight.detach())
     fns[CUBLAS] = lambda: torch.mm(operands[0], operands[1].t())  # cuBLAS's own product, bf16 out
     rounds: dict[str, list[float]] = {name: [] for name in fns}
@@ -327,15 +341,7 @@ def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits)
                                direction="higher_is_better", space="ratio", gate=False,
                                tags={**all_tags, "products": f"{products:.2f}"})
 
-    def compiled_ours(f):
-        if pass_name == "fwd":
-            with torch.no_grad():
-                return f(hidden, weight, ids)
-        return torch.autograd.grad(f(hidden, weight, ids), (hidden, weight), upstream)
-
     assert kernels.fallback_counts() == {}, f"our kernels fell back while being timed: {kernels.fallback_counts()}"
-    _select_variant(monkeypatch, "rlk")  # the compiled variant runs with every setting at its default
-    measured[COMPILED] = measure_compiled(rlk_metrics, kernels.linear_logp, compiled_ours, bytes_moved, tags)
     summary = ", ".join(f"{n}: {ms:.2f} ms" + (f" ({peak[n] / 1e9:.2f} GB)" if n in peak else "")
                         for n, ms in measured.items())
     cublas_rate = PRODUCT_FLOPS / measured[CUBLAS] / 1e9
