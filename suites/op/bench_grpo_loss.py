@@ -9,7 +9,11 @@ kernel where it applies), timed as a plain call with default settings (the ids a
 by the kernels, no host sync): its wall time gates, its CUDA-graph replay is recorded beside it.
 Labelled variants, never gated: ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place
 backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``),
-``compiled_ops`` the public call under ``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py).
+``compiled_ops`` the public call under ``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py);
+``*_scaled_grad`` the same calls with the loss scaled before the backward, as vime's
+``loss_function`` scales it for Megatron (``loss * num_microbatches / global_batch_size * dp_size``,
+here 8 / 256): in a training step the gradient reaching the op is not 1, so the one-read path's
+backward rewrites the rows from the logits (and Liger's scales its stored gradient).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from rlk_bench import (
     record_host_overhead,
     record_limit,
 )
-from rlk_compiled import measure_compiled
+from rlk_compiled import COMPILED, measure_compiled
 
 import kernels
 from kernels import LossConfig, grpo_loss
@@ -39,6 +43,9 @@ SHAPES = [(8192, 151936), (4096, 32000)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SEQ = 256
 CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type="low_var_kl")
+# vime's loss_function: loss * num_microbatches / step_global_batch_size * dp_world_size, then
+# Megatron divides by num_microbatches: 8 data-parallel ranks, a global batch of 256 samples
+GRAD_SCALE = 8 / 256
 
 
 def _inputs(num_tokens, vocab, dtype):
@@ -91,11 +98,23 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
 
     measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags)
 
+    def ours_scaled_grad():
+        loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss * GRAD_SCALE, logits)
+
+    measure(rlk_metrics, f"{OURS}_scaled_grad", ours_scaled_grad, bytes_moved, tags, memory=False)
+
     def compiled_ours(f):
         loss, _ = f(logits, ids, config=CONFIG, **kw)
         return torch.autograd.grad(loss, logits)
 
+    def compiled_ours_scaled_grad(f):
+        loss, _ = f(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss * GRAD_SCALE, logits)
+
     measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, bytes_moved, tags)
+    measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours_scaled_grad, bytes_moved, tags,
+                     impl=f"{COMPILED}_scaled_grad", memory=False)
 
     compiled = torch.compile(reference_grpo_loss)
 
@@ -124,6 +143,15 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
             return torch.autograd.grad(loss, liger_logits)
 
         liger_ms = measure(rlk_metrics, "liger", liger, bytes_moved, tags)
+
+        def liger_scaled_grad():
+            out = triton_grpo_loss(liger_logits, shaped["old_logp"], shaped["ref_logp"], liger_ids, adv, mask,
+                                   temperature=1.0, beta=0.01, eps_low=0.2, eps_high=0.28, inplace=False,
+                                   loss_type="grpo", reduce=True)
+            loss = out[0] if isinstance(out, tuple) else out
+            return torch.autograd.grad(loss * GRAD_SCALE, liger_logits)
+
+        measure(rlk_metrics, "liger_scaled_grad", liger_scaled_grad, bytes_moved, tags, memory=False)
         rlk_metrics.record("speedup_vs_liger", liger_ms / ours_ms, direction="higher_is_better", space="ratio",
                            tags=tags, gate=False)
 
