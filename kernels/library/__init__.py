@@ -24,14 +24,21 @@ Under ``torch.compile`` the public functions call these operators; eager calls r
 backend implementations without the operator layer (a custom operator's dispatch costs tens of
 microseconds of host time per call, more than a small call's whole budget). The two give the same
 bits (suites/op/test_torch_library.py).
+
+Registering them also tags torch.compile's caches with a digest of their definitions
+(kernels/library/compile_cache.py): a graph compiled against other versions of these operators is
+never served from Inductor's on-disk cache.
 """
 
 from __future__ import annotations
 
+from kernels.library.compile_cache import tag_compile_caches
 from kernels.library.grpo_loss import grpo_loss_op
 from kernels.library.linear_logp import linear_logp_op
 from kernels.library.logp import logp_op
 from kernels.library.ratio_kl import ratio_kl_op
+
+tag_compile_caches()
 
 NAMESPACE = "rlk"
 # public op -> its forward and backward operators' names under torch.ops.rlk

@@ -785,3 +785,53 @@ def test_compiled_call_checks_ids(backend):
     with pytest.raises(ValueError, match="target_ids"):
         compiled(x)
         kernels.raise_pending_errors()
+
+
+# -- torch.compile's on-disk caches ------------------------------------------------------------------
+
+def test_the_operators_tag_the_compile_caches():
+    """Importing the kernels appends the operators' digest to torch.compile's cache-key tag."""
+    from kernels.library import compile_cache
+
+    assert compile_cache.TAG == f"rlk-operators-{compile_cache.operators_digest()}"
+    assert compile_cache.TAG in torch.compiler.config.cache_key_tag
+
+
+def test_the_tag_follows_the_operators_definitions(tmp_path):
+    from kernels.library import compile_cache
+
+    for path in compile_cache.LIBRARY.glob("*.py"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    assert compile_cache.operators_digest(tmp_path) == compile_cache.operators_digest()
+    changed = tmp_path / "grpo_loss.py"
+    changed.write_text(changed.read_text() + "\n# another residual layout\n")
+    assert compile_cache.operators_digest(tmp_path) != compile_cache.operators_digest()
+
+
+def test_a_tag_the_user_set_is_kept():
+    from kernels.library import compile_cache
+
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        assert compile_cache.tag_compile_caches() == f"mine|{compile_cache.TAG}"
+        assert compile_cache.tag_compile_caches() == f"mine|{compile_cache.TAG}"  # added once
+
+
+def test_another_tag_misses_the_on_disk_caches(tmp_path, monkeypatch):
+    """What the tag is for: with this torch, a graph compiled under another tag (other operators)
+    is not served from Inductor's or AOTAutograd's on-disk cache; under the same tag it is."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def compile_and_run() -> tuple[int, int]:
+        torch.compiler.reset()
+        counters.clear()
+        x = torch.randn(8, requires_grad=True)
+        torch.compile(lambda t: (t * 2).sin().sum(), fullgraph=True)(x).backward()
+        return counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]
+
+    assert compile_and_run() == (0, 0)
+    assert compile_and_run() != (0, 0)  # served from the cache under the same tag
+    with torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + "|other-operators"):
+        assert compile_and_run() == (0, 0)
+    torch.compiler.reset()
