@@ -10,8 +10,14 @@ rounds. Beside them, a read floor: a kernel that only sums each row (the same by
 no log), at its best (BLOCK_V, num_warps) of the same grid: how close any row-wise read gets to the
 copy bandwidth at this size. Every figure is also given as a fraction of the read limit (the
 logits' bytes at the copy bandwidth measured in the same process, as the benchmarks state it).
-The configuration ``vocab_block(read_only=True)`` picks today is marked. Results: DIR/probe.json
-and DIR/probe.md. Measured results and commands: docs/performance-notes.md.
+The configuration ``vocab_block(read_only=True)`` picks today is marked.
+
+Then the benchmark's own conditions (pytest_rlk.timing.bench: one call per timing, L2 flushed
+before each by writing a 256 MiB buffer, whose dirty lines the timed kernel then evicts to HBM):
+the public ``kernels.logp`` call (no gradient, as bench_logp.py times it), the default
+configuration's kernel, the fastest logp configuration and the fastest floor, each with that flush,
+with a flush that reads the buffer instead (clean lines: nothing to write back), and without a
+flush. Results: DIR/probe.json and DIR/probe.md. Measured results and commands: docs/performance-notes.md.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from rlk_bench import hbm_bytes_per_s
 
 from kernels import device_errors
 from kernels.ops import logp as logp_op
+from pytest_rlk import timing
 
 SHAPES = ((4096, 32000), (8192, 151936))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -128,9 +135,47 @@ def probe(dtype_names: list[str], rounds: int) -> dict:
                     "dtype": name, "shape": [num_tokens, vocab], "kind": kind, "block": block, "warps": warps,
                     "stages": stages, "ms": ms, "of_limit": limit_ms / ms,
                     "default": kind == "logp" and (block, warps) == default and stages is None})
+            results["bench_conditions"] = results.get("bench_conditions", []) + _bench_conditions(
+                name, logits, ids, results["cases"], launchers, limit_ms)
             del logits
             torch.cuda.empty_cache()
     return results
+
+
+def _bench_conditions(name, logits, ids, cases, launchers, limit_ms) -> list[dict]:
+    import kernels
+
+    shape = list(logits.shape)
+    timed = [c for c in cases if "ms" in c and c["dtype"] == name and c["shape"] == shape]
+    chosen = {"logp default": next(c for c in timed if c.get("default")),
+              "logp fastest": min((c for c in timed if c["kind"] == "logp"), key=lambda c: c["ms"]),
+              "floor fastest": min((c for c in timed if c["kind"] == "floor"), key=lambda c: c["ms"])}
+    calls = {label: launchers[(c["kind"], c["block"], c["warps"], c["stages"])] for label, c in chosen.items()}
+    calls["kernels.logp (public call)"] = lambda: kernels.logp(logits, ids)
+    buffer = torch.empty(timing._L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    rows = []
+    with torch.no_grad():
+        for label, call in calls.items():
+            for flush in ("write (the benchmark)", "read", "none"):
+                if flush == "read":
+                    def fn(call=call):
+                        buffer.max()  # evicts the inputs, leaves clean lines
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        call()
+                        end.record()
+                        return start, end
+                    samples = []
+                    for _ in range(50):
+                        start, end = fn()
+                        end.synchronize()
+                        samples.append(start.elapsed_time(end))
+                    ms = statistics.median(samples[10:])
+                else:
+                    ms = timing.bench(call, flush_l2=flush != "none", device="cuda").median_ms
+                rows.append({"dtype": name, "shape": shape, "what": label, "flush": flush, "ms": ms,
+                             "of_limit": limit_ms / ms})
+    return rows
 
 
 def table(results: dict) -> str:
@@ -144,6 +189,11 @@ def table(results: dict) -> str:
             mark = "default" if c.get("default") else ""
             lines.append(f"| {key[0]} | {key[1][0]}x{key[1][1]} | {key[2]} | {c['block']} | {c['warps']} | "
                          f"{c['stages'] or '-'} | {c['ms']:.4f} | {100 * c['of_limit']:.1f}% | {mark} |")
+    lines += ["", "Under the benchmark's conditions (one call per timing):", "",
+              "| dtype | shape | what | L2 flush | ms | of limit |", "|---|---|---|---|---|---|"]
+    for row in results.get("bench_conditions", []):
+        lines.append(f"| {row['dtype']} | {row['shape'][0]}x{row['shape'][1]} | {row['what']} | {row['flush']} | "
+                     f"{row['ms']:.4f} | {100 * row['of_limit']:.1f}% |")
     errors = [c for c in results["cases"] if "error" in c]
     if errors:
         lines += ["", f"{len(errors)} configurations did not build; first: {errors[0]['error']}"]
