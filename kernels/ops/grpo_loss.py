@@ -68,7 +68,7 @@ import triton.language as tl
 from kernels import device_errors, launch
 from kernels.contracts import METRIC_NAMES, GrpoLossCall, entry_point
 from kernels.contracts.grpo_loss import to_device
-from kernels.launch import CachedLaunch, LaunchKeyError
+from kernels.launch import CachedLaunch
 from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
 from kernels.ops.host import HostModule
 from kernels.ops.logp import (
@@ -310,7 +310,6 @@ _TOKEN_WEIGHTS = CachedLaunch(_token_weights_kernel)
 _WEIGHTED_SUMS = CachedLaunch(_weighted_sums_kernel)
 _GRPO_DLOGITS = CachedLaunch(_grpo_dlogits_kernel)
 _HOST = HostModule("grpo_loss_one_read")
-_host_forward = None  # the host path's forward, once it holds a kernel (see _host_module)
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,22 +478,15 @@ def _second_backward(logits, ids, weights, row_stats, grad_loss, temperature, ig
 
 
 def _host_module():
-    """The host path's module when the fast path may run now and it can be built (else None); the
-    first time, it learns the metrics' names and the second backward's function."""
+    """The host path's module when the fast path may run now and it can be built (else None, as
+    while ``_HOST.off()``); the first time, it learns the metrics' names and the second backward's
+    function."""
     if launch.fast_path_now() is None:
         return None
-    module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
-    if module is not None and _host_forward is None:
+    module = _HOST.registry()  # built on the first registration; None (said once) if it cannot be
+    if module is not None and _HOST.forward is None:
         module.configure(METRIC_NAMES, _second_backward)
     return module
-
-
-def _registered(stored, what: str) -> None:
-    global _host_forward
-    if stored is False:
-        raise LaunchKeyError(f"grpo_loss host path: its key for this call's {what} holds another compiled kernel")
-    if stored and _host_forward is None:
-        _host_forward = _HOST.load().forward
 
 
 def _register_forward(call, weights_native, plan, one_read, sums_native) -> None:
@@ -505,27 +497,27 @@ def _register_forward(call, weights_native, plan, one_read, sums_native) -> None
         word = device_errors.word_for(call.logits.device).ptr
         one_read_native = (one_read.handle.value, plan.cluster, plan.slice, one_read_kernel.THREADS,
                            plan.shared_bytes)
-        _registered(module.register_forward(call, weights_native, one_read_native, sums_native, word),
-                    "forward kernels")
+        _HOST.registered(module.register_forward(call, weights_native, one_read_native, sums_native, word),
+                         "this call's forward kernels")
 
 
 def _register_backward(logits, ids, grad_output, temperature, ignore_index, native, programs) -> None:
     module = _host_module()
     if module is not None:
-        _registered(module.register_backward(logits, ids, grad_output, float(temperature), ignore_index, native,
-                                             programs), "dlogits kernel")
+        _HOST.registered(module.register_backward(logits, ids, grad_output, float(temperature), ignore_index,
+                                                  native, programs), "this call's dlogits kernel")
 
 
 def host_path() -> str:
     """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
     ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
-    return _HOST.path_label(_host_forward is not None)
+    return _HOST.path_label()
 
 
 def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """vime's GRPO loss on the fused paths above (composed for GSPO and vocab-parallel TP); the host
     path first."""
-    host_forward = _host_forward
+    host_forward = _HOST.forward
     if host_forward is not None and launch.fast_path_now() is not None and one_read_kernel.enabled():
         out = host_forward(call)
         if out is not None:

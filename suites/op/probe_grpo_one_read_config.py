@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -131,14 +132,12 @@ def build_all(names: list[str]) -> dict[str, float]:
         return dict(pool.map(one, names))
 
 
-def _python_path_only() -> None:
-    """The op's Python path: the C++ host path registers one kernel per key and would refuse a
-    second variant under the same key (probe_grpo_loss_host.py does the same)."""
+def _python_path_only() -> contextlib.AbstractContextManager[None]:
+    """The op's Python path while inside: the C++ host path registers one kernel per key and would
+    refuse a second variant under the same key (probe_grpo_loss_host.py does the same)."""
     from kernels.ops import grpo_loss as grpo_loss_op
 
-    grpo_loss_op._host_forward = None
-    grpo_loss_op._register_forward = lambda *a: None
-    grpo_loss_op._register_backward = lambda *a: None
+    return grpo_loss_op._HOST.off()
 
 
 class Workload:
@@ -203,7 +202,6 @@ def compare(actual: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Te
 
 
 def probe(names: list[str], dtypes: list[str], rounds: int) -> dict:
-    _python_path_only()
     from rlk_bench import graph_replay_ms, hbm_bytes_per_s
 
     from pytest_rlk import timing
@@ -371,7 +369,8 @@ def main() -> None:
     start = time.perf_counter()
     built = build_all(names)
     print(f"[probe] built {len(built)} variants in {time.perf_counter() - start:.1f} s", flush=True)
-    results = probe(names, args.dtypes.split(","), args.rounds)
+    with _python_path_only():
+        results = probe(names, args.dtypes.split(","), args.rounds)
     results["build_s"] = built
     (args.out / "probe.json").write_text(json.dumps(results, indent=1))
     text = table(results)
