@@ -111,11 +111,14 @@ def test_ratio_kl_asks_its_host_module_first_and_not_while_it_is_off(monkeypatch
         return answer
 
     monkeypatch.setattr(ratio_kl_op._HOST, "forward", host)
-    monkeypatch.setattr(launch, "fast_path_now", lambda: _CpuRuntime())
-    inputs = _cpu_inputs()
+    if torch.cuda.is_available():  # the Python path launches the compiled kernel: device inputs
+        inputs = [t.cuda() for t in _cpu_inputs()]
+    else:  # the Triton interpreter; the runtime the host path asks for stands in for the device's
+        monkeypatch.setattr(launch, "fast_path_now", lambda: _CpuRuntime())
+        inputs = _cpu_inputs()
     assert ratio_kl_op.ratio_kl(*inputs) is answer and len(asked) == 1
     with ratio_kl_op._HOST.off():
-        ratio, kl = ratio_kl_op.ratio_kl(*inputs)  # the Python path (the Triton interpreter here)
+        ratio, kl = ratio_kl_op.ratio_kl(*inputs)  # the Python path
         assert ratio_kl_op.host_path() == "python (turned off)"
     assert len(asked) == 1 and ratio is not answer[0] and bool(torch.isfinite(kl).all())
     assert ratio_kl_op.ratio_kl(*inputs) is answer and len(asked) == 2
