@@ -15,7 +15,10 @@ word  what the kernel stores there
 1     ``row * 2**32 + (value mod 2**32)``: the first bad row (or sample) a program saw and its
       value, clamped to int32 (one store, so row and value come from the same program)
 2     the bound the value broke (V for ids, T for lengths)
-3     unused (0)
+3     not a report: 1 when the last ``grpo_loss`` backward on this device met an incoming gradient
+      other than exactly 1 (a scaled loss), else 0; its dlogits kernel stores it there, and the
+      next forward reads it to choose whether to write dlogits for a gradient of 1
+      (kernels/ops/grpo_loss.py, ``GRAD_HINT``). A report's clearing leaves it alone.
 ====  ==================================================================================
 
 The host reads word 0 from memory (no CUDA call, no wait) at the start of every later call of an
@@ -42,6 +45,7 @@ import torch
 
 # the input a report names (word 0 mod 16)
 INPUT_TARGET_IDS, INPUT_LENGTHS, INPUT_LENGTHS_SUM, INPUT_CU_SEQLENS = 1, 2, 3, 4
+GRAD_HINT = 3  # the word grpo_loss's backward writes its incoming gradient's kind into (not a report)
 INPUTS = {INPUT_TARGET_IDS: "target_ids", INPUT_LENGTHS: "lengths", INPUT_LENGTHS_SUM: "lengths",
           INPUT_CU_SEQLENS: "cu_seqlens"}
 CALL_ID_MASK = (1 << 24) - 1  # call ids wrap here (a kernel argument stays an int32)
@@ -63,7 +67,7 @@ class ErrorWord:
     """One device's error word: ``tensor`` (int64 [4], pinned host memory, the kernels' pointer
     argument; on a CPU device plain memory) and a view the host reads without torch."""
 
-    __slots__ = ("device", "ptr", "tensor", "view")
+    __slots__ = ("device", "grad_hint", "ptr", "tensor", "view")
 
     def __init__(self, device: torch.device) -> None:
         pinned = device.type == "cuda"
@@ -71,6 +75,7 @@ class ErrorWord:
         self.tensor = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
         self.ptr = self.tensor.data_ptr()
         self.view = (ctypes.c_int64 * 4).from_address(self.ptr)
+        self.grad_hint = self.tensor[GRAD_HINT:]  # the dlogits kernel's pointer argument (word 3)
 
     def reported(self) -> bool:
         """Whether a kernel has written a report (a read of host memory: no wait)."""
@@ -82,7 +87,7 @@ class ErrorWord:
         if tag == 0:
             return None
         packed, bound = self.view[1], self.view[2]
-        for i in range(4):
+        for i in range(GRAD_HINT):
             self.view[i] = 0
         return _error(self.device, tag, packed, bound)
 

@@ -281,7 +281,7 @@ def _write_grad_row(row, logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g
 
 @triton.jit
 def _grpo_dlogits_kernel(
-    logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, grad_output_ptr, max_ptr, sumexp_ptr,
+    logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, grad_output_ptr, max_ptr, sumexp_ptr, hint_ptr,
     stride_row, stride_grad_row, vocab, ignore_index, temperature, num_rows,
     BLOCK_V: tl.constexpr, SCALE: tl.constexpr, UNLESS_UNIT: tl.constexpr,
 ):
@@ -289,8 +289,11 @@ def _grpo_dlogits_kernel(
     One program per row; ``UNLESS_UNIT`` (the one-read path, whose forward wrote the rows for
     grad_output 1): rows are rewritten only when grad_output is not exactly 1, by a grid of
     about one wave of programs that each take every num_programs-th row (a program per row that
-    only returns costs measurable time at large T)."""
+    only returns costs measurable time at large T). Program 0 stores whether grad_output is other
+    than 1 at ``hint_ptr`` (the device's grad hint, read by the next forward)."""
     g = tl.load(grad_output_ptr).to(tl.float32)
+    if tl.program_id(0) == 0:  # the device's grad hint (kernels/device_errors.py, word 3)
+        tl.store(hint_ptr, (g != 1.0).to(tl.int64))
     if UNLESS_UNIT:
         if g != 1.0:
             for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
@@ -357,7 +360,18 @@ def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
 
 class GrpoLossFunction(torch.autograd.Function):
     """Forward: the per-row statistics and loss kernel, or the one-read cluster kernel that also writes
-    dlogits; backward: the dlogits kernel (or, one-read, a rewrite only when grad_output != 1)."""
+    dlogits; backward: the dlogits kernel (or, one-read, a rewrite only when grad_output != 1).
+
+    Which gradient the one-read forward expects: the loss's gradient is known only in the
+    backward, and a training step scales the loss (vime's ``loss_function`` multiplies it by
+    ``num_microbatches / global_batch_size * dp_size`` for Megatron), so writing dlogits for a
+    gradient of 1 in the forward costs a second write in the backward: four passes over [T, V]. The
+    forward follows the device's grad hint (kernels/device_errors.py, word 3: the last backward's
+    gradient was not 1): then the cluster kernel computes the statistics only and the backward
+    writes dlogits once (:func:`grpo_loss_dlogits`): three passes, and no [T, V] tensor held between
+    forward and backward. Both ways give the same bits for every gradient (the write sweep's
+    arithmetic from the same statistics, then the same rewrite), so the hint changes the time, never
+    a result."""
 
     @staticmethod
     def forward(ctx, logits, call):  # type: ignore[override]
@@ -365,15 +379,19 @@ class GrpoLossFunction(torch.autograd.Function):
         # each argument of apply, and only the logits are differentiated (host time of every call)
         inplace = call.inplace_backward
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
+        ctx.write_in_backward = False
         if isinstance(plan, one_read_kernel.OneReadPlan):
-            # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
-            unit_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            if device_errors.word_for(logits.device).view[device_errors.GRAD_HINT]:
+                unit_grad, ctx.write_in_backward = None, True  # statistics now, dlogits in the backward
+            else:  # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
+                unit_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         else:
             plan, unit_grad = None, None
         loss, metrics, per_token, (weights_native, one_read, sums_native) = _forward_kernels(
             logits, call, plan, unit_grad)
-        if one_read is not None and weights_native is not None and sums_native is not None:
+        if unit_grad is not None and one_read is not None and weights_native is not None and sums_native is not None:
             _register_forward(call, weights_native, plan, one_read, sums_native)
+        ctx.residual = per_token[4:]
         ctx.unit_grad = unit_grad
         ctx.row_stats = per_token[4:7]
         ctx.weights = per_token[7]
@@ -392,6 +410,8 @@ class GrpoLossFunction(torch.autograd.Function):
                                "overwritten by the first one")
         ctx.backward_done = True
         logits, ids = ctx.saved_tensors
+        if ctx.write_in_backward:
+            return grpo_loss_dlogits(logits, ids, ctx.residual, grad_loss, ctx.temperature, ctx.ignore_index), None
         unit_grad, ctx.unit_grad = ctx.unit_grad, None  # handed out once: autograd may keep it as .grad
         grad_output = grad_loss.reshape(1)
         grad, native, programs = _dlogits(logits, ids, ctx.weights, ctx.row_stats, grad_output, unit_grad,
@@ -465,7 +485,7 @@ def _dlogits(logits, ids, weights, row_stats, grad_output, unit_grad, temperatur
     programs = num_tokens if unit_grad is None else min(num_tokens, wave)
     native = _GRPO_DLOGITS.launch_native(
         (programs,), logits, grad, ids, weights, coef, grad_output, row_max, sumexp,
-        logits.stride(0), grad.stride(0), vocab, ignore_index, float(temperature), num_tokens,
+        device_errors.word_for(logits.device).grad_hint, logits.stride(0), grad.stride(0), vocab, ignore_index, float(temperature), num_tokens,
         BLOCK_V=block, SCALE=temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
     )
     return grad, native, wave

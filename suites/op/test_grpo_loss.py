@@ -184,6 +184,24 @@ def test_grpo_loss_forward_only_matches(triton_strict):
     assert all(torch.equal(metrics_a[k], metrics_b[k]) for k in METRIC_NAMES)
 
 
+def test_the_dlogits_kernel_records_whether_the_gradient_was_one(triton_strict):
+    """The backward's dlogits kernel stores, in the device's grad hint (kernels/device_errors.py,
+    word 3), whether the loss's incoming gradient was other than 1: a scaled loss sets it, a plain
+    ``backward()`` clears it (the next forward reads it to choose where dlogits are written)."""
+    from kernels import device_errors
+
+    inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=5, lengths=LENGTHS)
+    leaf = inputs.pop("logits").requires_grad_()
+    word = device_errors.word_for(leaf.device)
+    for scale, hint in ((0.25, 1), (1.0, 0), (3.0, 1)):
+        loss, _ = kernels.grpo_loss(leaf, **inputs)
+        torch.autograd.grad(loss * scale, leaf)
+        if leaf.is_cuda:
+            torch.cuda.synchronize()
+        assert word.view[device_errors.GRAD_HINT] == hint, f"incoming gradient {scale}"
+    assert word.take() is None  # the hint is not a report
+
+
 def test_grpo_loss_second_backward_recomputes_or_raises_when_inplace(triton_strict):
     """A second backward through a retained graph gives the same gradient again (the backward
     reads the saved logits); with inplace_backward the first backward overwrote them: it raises."""

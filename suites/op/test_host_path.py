@@ -266,7 +266,7 @@ def test_grpo_host_module_declines_what_is_not_the_common_case():
     assert module.forward(call) is None
     assert module.forward(object()) is None
     assert module.register_forward(call, (1, 128, 0, "PPPPii"), (1, 1, 32, 512, 0), (1, 512, 0, "PPPPif"), 0) is None
-    native = (1, 128, 0, "PPPPPPPPiiiifi")
+    native = (1, 128, 0, "PPPPPPPPPiiiifi")
     grad_output = torch.ones(1)
     assert module.register_backward(call.logits, call.target_ids, grad_output, 1.0, -100, native, 132) is None
     assert module.register_backward("logits", call.target_ids, grad_output, 1.0, -100, native, 132) is None
@@ -386,8 +386,17 @@ _GRPO_CASES = [
 ]
 
 
+def _clear_grad_hint():
+    """The device's grad hint back to 'the last gradient was 1' (kernels/device_errors.py, word 3):
+    the next forward writes dlogits for a gradient of 1, the path the host module serves."""
+    torch.cuda.synchronize()  # a backward still in flight would store it again
+    device_errors.word_for(torch.device("cuda", torch.cuda.current_device())).view[device_errors.GRAD_HINT] = 0
+
+
 def _grpo_run(case, seed=0):
-    """(loss, metrics, dlogits) of the op's entry point for a case."""
+    """(loss, metrics, dlogits) of the op's entry point for a case, from the forward that writes
+    dlogits for a gradient of 1 (the grad hint cleared first)."""
+    _clear_grad_hint()
     _, t, v, dtype, inputs, options, temperature, grad_output = case
     logits, ids, kw = _grpo_gpu_inputs(t, v, dtype, seed=seed, **inputs)
     loss, metrics = grpo_loss_op.grpo_loss(logits, ids, config=LossConfig(**options), temperature=temperature, **kw)
@@ -424,6 +433,45 @@ def test_grpo_host_path_is_bitwise_the_python_path(monkeypatch, case):
     _require_grpo_host_path(monkeypatch)
     _assert_host_path_is_bitwise_the_python_path(monkeypatch, grpo_loss_op, _grpo_run, case,
                                                  ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "dlogits"))
+
+
+@pytest.mark.gpu
+def test_grpo_forward_follows_the_grad_hint_with_the_same_bits(monkeypatch):
+    """After a backward whose incoming gradient is not 1 (a scaled loss, as in a training step), the
+    next forward writes no dlogits (the host module declines it; the backward writes them once, for
+    that gradient), and every result is bitwise what the forward that writes dlogits for 1 gives;
+    a backward with gradient 1 turns that forward, and the host module, back on."""
+    _require_grpo_host_path(monkeypatch)
+    t, v = 64, 32000
+    word = device_errors.word_for(torch.device("cuda", torch.cuda.current_device()))
+
+    def run(scale):
+        logits, ids, kw = _grpo_gpu_inputs(t, v, torch.bfloat16)
+        torch.cuda.synchronize()
+        before_alloc, before_served = torch.cuda.memory_allocated(), _grpo_served()
+        loss, metrics = grpo_loss_op.grpo_loss(logits, ids, config=LossConfig(kl_loss_coef=0.01), **kw)
+        held = torch.cuda.memory_allocated() - before_alloc  # what the forward keeps for the backward
+        served = _grpo_served() - before_served
+        (dlogits,) = torch.autograd.grad(loss * scale, logits)
+        torch.cuda.synchronize()
+        out = [loss.detach(), *(metrics[k] for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss")), dlogits]
+        return out, served, held, word.view[device_errors.GRAD_HINT]
+
+    _clear_grad_hint()
+    run(1.0)  # the Python path compiles and registers its kernels
+    unit, served, held, hint = run(1.0)
+    assert (served, hint) == (1, 0) and held >= t * v * 2  # one read: dlogits written by the forward
+    scaled, served, held, hint = run(0.5)
+    assert (served, hint) == (1, 1)  # the forward expected 1: its backward rewrote every row
+    scaled_again, served, held, hint = run(0.5)
+    assert served == 0 and held < t * v * 2 and hint == 1  # statistics only; dlogits in the backward
+    unit_again, served, held, hint = run(1.0)
+    assert served == 0 and held < t * v * 2 and hint == 0
+    assert run(1.0)[1] == 1  # the host module serves again
+    for a, b in zip(scaled, scaled_again, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(unit, unit_again, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@
 //   int64 contiguous; old_logp, advantages (and ref_logp, rollout_logp where used) fp32
 //   contiguous; loss_mask contiguous bool|fp32|bf16|fp16|fp64; lengths / cu_seqlens absent or
 //   int64|int32 contiguous on the same device; no torch function or dispatch mode active; the
-//   current CUDA context the one the kernels were registered in.
+//   current CUDA context the one the kernels were registered in; the device's grad hint clear (the
+//   last backward's gradient was 1: GrpoLossFunction writes dlogits in the forward only then).
 // * register_forward(call, weights, one_read, sums) stores the kernels the Python path just
 //   launched for this call: weights and sums as kernels.launch.CachedLaunch.native_launch's tuple
 //   (CUfunction handle, threads per block, dynamic shared memory, parameter letters), one_read as
@@ -94,6 +95,8 @@ struct OneReadKernel {
 // ---------------------------------------------------------------- registries
 
 std::unordered_map<uint64_t, TritonKernel> weights_kernels, sums_kernels, dlogits_kernels;
+// the error word's word 3 (kernels/device_errors.py, GRAD_HINT): 1 when the last backward's gradient was not 1
+constexpr int kGradHint = 3;
 std::unordered_map<uint64_t, OneReadKernel> one_read_kernels;
 PyObject* metric_names[4] = {nullptr, nullptr, nullptr, nullptr};
 PyObject* second_backward = nullptr;
@@ -348,6 +351,7 @@ uint64_t dlogits_key(int device, at::ScalarType dtype, int64_t v, const at::Tens
 struct GrpoLossBackward : public LogitsBackward {
   at::Tensor per_token_;  // rows 4-6: coef, row max, sum-exp; row 7: the reduction weights
   at::Tensor unit_grad_;  // dlogits for grad_output 1, written by the forward; handed out once
+  uint64_t grad_hint_ = 0;  // the device's grad hint (its error word's word 3): the kernel stores g != 1
 
   std::string name() const override { return "GrpoLossBackward"; }
 
@@ -375,12 +379,12 @@ struct GrpoLossBackward : public LogitsBackward {
     const Arg args[] = {
         Arg::ptr(logits.data_ptr()), Arg::ptr(grad.data_ptr()), Arg::ptr(ids.data_ptr()),
         Arg::ptr(rows + 7 * row_bytes), Arg::ptr(rows + 4 * row_bytes), Arg::ptr(g.data_ptr()),
-        Arg::ptr(rows + 5 * row_bytes), Arg::ptr(rows + 6 * row_bytes),
+        Arg::ptr(rows + 5 * row_bytes), Arg::ptr(rows + 6 * row_bytes), Arg::ptr(grad_hint_),
         Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index_), Arg::f32(temperature_),
         Arg::integer(t),
     };
     const int64_t programs = std::min(t, kernel_.programs);
-    launch_triton("dlogits", kernel_, static_cast<unsigned>(programs), current_stream(device_), args, 14);
+    launch_triton("dlogits", kernel_, static_cast<unsigned>(programs), current_stream(device_), args, 15);
     clock.mark(kBackward);
     return {grad};
   }
@@ -433,6 +437,9 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
   try {
     uint64_t context = 0, err = 0;
     if (!launchable_now(call.device, &context, &err)) Py_RETURN_NONE;
+    // the grad hint (the error word's word 3): the last backward's gradient was not 1, so the Python
+    // path's forward writes no dlogits and its backward writes them once (GrpoLossFunction)
+    if (reinterpret_cast<const volatile int64_t*>(err)[kGradHint] != 0) Py_RETURN_NONE;
     const c10::DeviceIndex device = static_cast<c10::DeviceIndex>(call.device);
     void* stream = current_stream(device);
     const at::Tensor& logits = *call.logits;
@@ -499,6 +506,7 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
                                                      call.ignore_index, context);
     grpo->per_token_ = per_token;
     grpo->unit_grad_ = std::move(unit_grad);
+    grpo->grad_hint_ = err + kGradHint * sizeof(int64_t);
     clock.mark(kNode);
     std::vector<at::Tensor> parts = at::unbind(metrics, 0);
     PyObject* dict = PyDict_New();
@@ -620,9 +628,9 @@ PyObject* register_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   const Arg dlogits_args[] = {
       Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
       Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
-      Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index), Arg::f32(temperature),
-      Arg::integer(t)};
-  if (!check_fits("dlogits", kernel, dlogits_args, 14)) return nullptr;
+      Arg::ptr(uint64_t{0}), Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index),
+      Arg::f32(temperature), Arg::integer(t)};
+  if (!check_fits("dlogits", kernel, dlogits_args, 15)) return nullptr;
   const int device = logits.get_device();
   if (!remember_context(device)) return nullptr;
   if (!store(dlogits_kernels, dlogits_key(device, logits.scalar_type(), v, ids, t, ignore_index, temperature),
