@@ -331,7 +331,7 @@ def test_grpo_loss_one_read_writes_dlogits_for_the_last_gradient(triton_strict, 
     dtype, num_tokens = DTYPES[dtype_name], 256
     config = CONFIGS["asym_lowvar"]
     inputs = loss_inputs(num_tokens, vocab, dtype, seed=3, lengths=[num_tokens // 4] * 4, ignore_every=7)
-    word = device_errors.word_for(torch.device(DEVICE))
+    word = device_errors.word_for(inputs["logits"].device)
     previous = 1.0
     for g in GRAD_SEQUENCE:
         assert word.last_grad() == previous  # the prediction this forward makes

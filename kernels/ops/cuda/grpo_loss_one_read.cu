@@ -626,12 +626,13 @@ RLK_DEFINE_DTYPE(fp16, __half)
 // retained graph) the rows are written for any g. First, thread 0 of CTA 0 stores g at `last_grad`
 // (the error word's word 3, kernels/device_errors.py: bits(g) XOR bits(1.0f), so that an untouched
 // word reads as 1.0): the next forward's prediction.
-// Each row is cut into blocks_per_row blocks of block_cols columns; a grid of about one wave of CTAs
-// walks the num_rows * blocks_per_row blocks (CTA b takes blocks b, b + gridDim.x, ...: a CTA per
-// block that only returns would cost measurable time at large T). A CTA copies its next block into
-// its second buffer (cp.async; 2 * block_cols * sizeof(T) bytes of dynamic shared memory) while it
-// writes the current one from shared memory with write_dlogits (the target's one-hot term included),
-// as the cluster kernel does on its slice.
+// Each row is cut into blocks_per_row blocks of block_cols columns; CTA b takes blocks b, b + gridDim.x,
+// ... of the num_rows * blocks_per_row: the caller launches about one wave of CTAs when it expects
+// the forward's rows (a CTA per block that only returns would cost measurable time at large T), a CTA
+// per block with FLAG_WRITE_ALWAYS. A CTA copies its next block into its second buffer (cp.async;
+// 2 * block_cols * sizeof(T) bytes of dynamic shared memory) while it writes the current one from
+// shared memory with write_dlogits (the target's one-hot term included), as the cluster kernel does
+// on its slice.
 #ifndef RLK_WRITE_MIN_CTAS
 #define RLK_WRITE_MIN_CTAS 3  // registers for three CTAs of RLK_THREADS per multiprocessor
 #endif

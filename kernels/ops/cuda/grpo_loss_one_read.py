@@ -205,7 +205,8 @@ def write_from_stats(
     ``grad_pred`` the forward wrote ``grad`` for (nothing is written when ``grad_output`` has its
     bits), or None for a fresh ``grad`` (written whatever the gradient). The kernel stores the
     gradient at ``last_grad`` (the address of the error word's word 3, kernels/device_errors.py).
-    Returns the launch (None when T = 0: nothing launched).
+    Returns the launch (None when T = 0: nothing launched); its ``ctas`` caps the grid of a launch
+    with an expected gradient.
 
     logits [T, V] as :func:`plan` accepted them; grad contiguous like logits; ids int64 [T];
     weights/coef/row_max/sumexp fp32 contiguous [T]."""
@@ -223,7 +224,11 @@ def write_from_stats(
         shape.blocks_per_row, shape.block_cols, temperature, expected, flags,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
-    kernel.launch(min(num_tokens * shape.blocks_per_row, shape.ctas), THREADS, shape.shared_bytes, args, stream)
+    # expecting the forward's rows: one wave (every CTA returns at once on a hit); writing for sure:
+    # a CTA per block (each copies its block while others write theirs, measured faster than the wave)
+    blocks = num_tokens * shape.blocks_per_row
+    grid = blocks if flags & FLAG_WRITE_ALWAYS else min(blocks, shape.ctas)
+    kernel.launch(grid, THREADS, shape.shared_bytes, args, stream)
     return shape
 
 
