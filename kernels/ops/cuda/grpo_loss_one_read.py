@@ -56,7 +56,7 @@ WRITE_SIGNATURE = (
 )
 # the write kernel's block: up to WRITE_PIECES 16-byte pieces per thread (32 KiB), all copied at once,
 # the next block's copy in flight while a CTA writes the current one (two buffers: 64 KiB of shared
-# memory); WRITE_CTAS CTAs per multiprocessor (RLK_WRITE_MIN_CTAS in the source) make the grid's wave
+# memory); WRITE_CTAS CTAs per multiprocessor (the write kernel's launch bounds) make the grid's wave
 WRITE_PIECES = 4
 WRITE_CTAS = 3
 
