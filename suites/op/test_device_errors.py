@@ -185,6 +185,22 @@ def test_reference_backend_checks_device_values_on_the_host(kernels_off, deferre
         kernels.logp(_logits(), ids)
 
 
+@pytest.mark.parametrize("g", [1.0, 8 / 256, 0.37, 2.5, 0.0, -0.0, -1.0, float("inf"), 1e-40])
+def test_word_3_holds_the_last_gradient_and_reads_1_untouched(g):
+    """Word 3 (not a report) holds grpo_loss's last incoming gradient as fp32 bits XOR bits(1.0):
+    a fresh word reads 1.0, every fp32 value (signed zeros and subnormals too) comes back with its
+    bits, and taking a report leaves it alone."""
+    word = device_errors.ErrorWord(torch.device("cpu"))
+    assert word.view[device_errors.LAST_GRAD] == 0 and word.last_grad() == 1.0
+    fp32 = torch.tensor(g, dtype=torch.float32)
+    word.view[device_errors.LAST_GRAD] = device_errors.encode_grad(g)
+    assert torch.equal(torch.tensor(word.last_grad(), dtype=torch.float32).view(torch.int32), fp32.view(torch.int32))
+    assert (word.view[device_errors.LAST_GRAD] == 0) == (g == 1.0)
+    word.view[0], word.view[1], word.view[2] = 16 + device_errors.INPUT_TARGET_IDS, 5, 7
+    assert word.take() is not None
+    assert word.view[0] == 0 and word.last_grad() == fp32.item()
+
+
 def test_check_mode_setting_parses(monkeypatch):
     from kernels import settings
 

@@ -9,7 +9,7 @@ what the kernel is specialized on; everything else (non-contiguous, another devi
 bad input) still takes the Python path, with its errors; CUDA-graph capture records it. grpo_loss:
 loss, metrics and dlogits bitwise equal to the Python path's over its configurations (reference
 or none, dual clip, TIS, packing, reductions, temperature, grad_output != 1, a second backward
-through a retained graph), bad ids reported through the error word under the call's id, the public
+through a retained graph), the predicted gradient's hits and misses on both paths, bad ids reported through the error word under the call's id, the public
 call served, CUDA-graph capture of forward and backward. logp: the log-prob and dlogits bitwise equal
 to the Python path's over dtypes, temperature, T (the statistics rows' alignment), with and without a
 gradient, gradients that are ones, random or expanded, a backward through a retained graph, bad ids
@@ -325,14 +325,13 @@ def test_grpo_host_module_declines_what_is_not_the_common_case():
     assert module.forward(call) is None
     assert module.forward(object()) is None
     assert module.register_forward(call, (1, 128, 0, "PPPPii"), (1, 1, 32, 512, 0), (1, 512, 0, "PPPPif"), 0) is None
-    native = (1, 128, 0, "PPPPPPPPiiiifi")
-    grad_output = torch.ones(1)
-    assert module.register_backward(call.logits, call.target_ids, grad_output, 1.0, -100, native, 132) is None
-    assert module.register_backward("logits", call.target_ids, grad_output, 1.0, -100, native, 132) is None
+    write = (1, 396, 512, 61440, 10, 15200)
+    assert module.register_backward(call.logits, write) is None
+    assert module.register_backward("logits", write) is None
     with pytest.raises(TypeError, match="register_forward takes 5 arguments, got 1"):
         module.register_forward(call)
-    with pytest.raises(TypeError, match="register_backward takes 7 arguments, got 2"):
-        module.register_backward(call.logits, call.target_ids)
+    with pytest.raises(TypeError, match="register_backward takes 2 arguments, got 1"):
+        module.register_backward(call.logits)
     with pytest.raises(TypeError, match=r"configure\(metric_names"):
         module.configure(("pg_loss",), len)
     assert module.served() == served
@@ -447,8 +446,18 @@ _GRPO_CASES = [
 ]
 
 
+def _predict(g):
+    """Word 3 of the device's error word (kernels/device_errors.py) as if the last backward had met
+    ``g``: the next one-read forward writes dlogits for it."""
+    torch.cuda.synchronize()  # a backward still in flight would store its own
+    word = device_errors.word_for(torch.device("cuda", torch.cuda.current_device()))
+    word.view[device_errors.LAST_GRAD] = device_errors.encode_grad(g)
+
+
 def _grpo_run(case, seed=0):
-    """(loss, metrics, dlogits) of the op's entry point for a case."""
+    """(loss, metrics, dlogits) of the op's entry point for a case, from a forward that predicts a
+    gradient of 1."""
+    _predict(1.0)
     _, t, v, dtype, inputs, options, temperature, grad_output = case
     logits, ids, kw = _grpo_gpu_inputs(t, v, dtype, seed=seed, **inputs)
     loss, metrics = grpo_loss_op.grpo_loss(logits, ids, config=LossConfig(**options), temperature=temperature, **kw)
@@ -485,6 +494,76 @@ def test_grpo_host_path_is_bitwise_the_python_path(monkeypatch, case):
     _require_grpo_host_path(monkeypatch)
     _assert_host_path_is_bitwise_the_python_path(grpo_loss_op, _grpo_run, case,
                                                  ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "dlogits"))
+
+
+@pytest.mark.gpu
+def test_grpo_predicted_gradient_hit_or_miss_gives_the_same_bits_on_both_paths(monkeypatch):
+    """The one-read forward writes dlogits for the last backward's gradient (word 3), the backward
+    rewrites them on the device when the actual gradient differs (a miss). For a training loop's
+    gradients (1, vime's 8 / 256, 0.37), a hit and a miss on the host path and on the Python path
+    give the same loss, metrics and dlogits bit for bit, dlogits within the reference's tolerance,
+    and each backward stores its gradient for the next forward. A miss that kept the forward's rows
+    (the rewrite broken on purpose below) fails these checks."""
+    from rlk_op_cases import loss_upstream_grad
+
+    from kernels import tolerances
+    from kernels.reference import grpo_loss as reference_grpo_loss
+
+    _require_grpo_host_path(monkeypatch)
+    t, v, dtype = 64, 32000, torch.bfloat16
+    config = LossConfig(kl_loss_coef=0.01, eps_clip_high=0.28)
+    logits, ids, kw = _grpo_gpu_inputs(t, v, dtype)
+    word = device_errors.word_for(logits.device)
+    other = 0.5  # a prediction none of the gradients below has: a miss
+
+    def run(g, predicted, host):
+        _predict(predicted)
+        if not host:
+            monkeypatch.setattr(grpo_loss_op, "_host_forward", None)
+        before = _grpo_served()
+        loss, metrics = grpo_loss_op.grpo_loss(logits, ids, config=config, **kw)
+        served = _grpo_served() - before
+        (dlogits,) = torch.autograd.grad(loss, logits, torch.tensor(g, device="cuda"))
+        torch.cuda.synchronize()
+        assert served == int(host), f"gradient {g}, prediction {predicted}: host path served {served}"
+        return [loss.detach(), *(metrics[k] for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss")), dlogits]
+
+    def check(g, results):
+        first, *rest = results
+        for other_result in rest:
+            for a, b in zip(first, other_result, strict=True):
+                assert torch.equal(a, b), f"gradient {g}: a hit and a miss, or the two paths, differ"
+        leaf = logits.detach().float().requires_grad_()
+        loss, _ = reference_grpo_loss(leaf, ids, config=config, **kw)
+        (want,) = torch.autograd.grad(loss, leaf, torch.tensor(g, device="cuda"))
+        upstream = loss_upstream_grad(logits, ids, kw, config, 1.0, g)
+        for got in results:
+            tolerances.assert_close(got[-1], want, "grpo_loss.grad", dtype, name=f"dlogits, gradient {g}",
+                                    upstream=upstream)
+
+    run(1.0, 1.0, host=False)  # the Python path compiles and registers its kernels
+    for g in (1.0, 8 / 256, 0.37):
+        stored = torch.tensor(g, dtype=torch.float32).item()
+        results = [run(g, other, host=True)]
+        assert word.last_grad() == stored
+        results += [run(g, g, host=True), run(g, g, host=False), run(g, other, host=False)]
+        assert word.last_grad() == stored
+        check(g, results)
+    # the miss path broken on purpose: the write kernel told that the gradient was the predicted one
+    write = grpo_loss_op._write_dlogits
+
+    def keeps_the_forward_rows(logits, ids, residual, grad_output, grad, expected, temperature):
+        if expected is not None:
+            grad_output = torch.full_like(grad_output, expected)
+        return write(logits, ids, residual, grad_output, grad, expected, temperature)
+
+    good = run(0.37, 0.37, host=False)
+    monkeypatch.setattr(grpo_loss_op, "_write_dlogits", keeps_the_forward_rows)
+    broken = run(0.37, other, host=False)
+    with pytest.raises(AssertionError, match="differ"):
+        check(0.37, [good, broken])
+    with pytest.raises(AssertionError, match="dlogits, gradient 0.37"):
+        check(0.37, [broken])
 
 
 @pytest.mark.gpu
