@@ -109,13 +109,18 @@ _next_id = 0
 
 def word_for(device: torch.device) -> ErrorWord:
     """``device``'s error word (allocated on first use, kept for the process: CUDA graphs keep its
-    address)."""
+    address). ``cuda`` without an index is the current device's word (a tensor's device always has
+    one: the lookup a call makes stays one dict read)."""
     word = _words.get(device)
     if word is None:
         with _lock:
             word = _words.get(device)
             if word is None:
-                word = _words[device] = ErrorWord(device)
+                indexed = device
+                if device.type == "cuda" and device.index is None:
+                    indexed = torch.device("cuda", torch.cuda.current_device())
+                word = _words.get(indexed) or ErrorWord(indexed)
+                _words[device] = _words[indexed] = word
     return word
 
 

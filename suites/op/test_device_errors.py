@@ -272,3 +272,11 @@ def test_a_bad_id_on_the_gpu_surfaces_at_raise_pending_errors(triton_strict):
     error = _expect_report(r"kernels\.grpo_loss call #\d+ \(logits \[256, 32000\]\) on cuda:\d: "
                            r"target_ids has an id outside \[0, 32000\).*target_ids\[17\] = 32000")
     assert error.input == "target_ids"
+
+
+@gpu_only
+def test_cuda_without_an_index_is_the_current_devices_word():
+    """A word is per device: ``cuda`` and ``cuda:<current>`` must name one word, or a report (and
+    the last gradient) written through one would be missed through the other."""
+    current = torch.device("cuda", torch.cuda.current_device())
+    assert device_errors.word_for(torch.device("cuda")) is device_errors.word_for(current)
