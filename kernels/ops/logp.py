@@ -119,18 +119,21 @@ def row_write_grad(
     """grad_row = coef * (onehot(local_target) - exp(z - m) / S) [/ temperature], in grad's dtype.
 
     The softmax is formed as exp(z - m) * (coef / S), the order of the reference's autograd;
-    exp(z - lse) would carry lse's rounding (an ulp of ~20) into every probability."""
+    exp(z - lse) would carry lse's rounding (an ulp of ~20) into every probability. exp(z - m) is
+    exp2(fma(z, log2e, -h)) as in :func:`row_max_sumexp`; the factor 2**(m log2e - h) each term
+    carries comes out of coef / S once per row."""
     offs = tl.arange(0, BLOCK_V)
     if SCALE:
         coef = tl.math.div_rn(coef, temperature)
-    coef_over_s = tl.math.div_rn(coef, sumexp)
+    h = row_max * LOG2E
+    coef_over_s = tl.math.div_rn(coef, sumexp) * (1.0 - tl.fma(row_max, LOG2E, -h) * LN2)
     for start in range(0, vocab, BLOCK_V):
         cols = start + offs
         in_row = cols < vocab
         z = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
         if SCALE:
             z = tl.math.div_rn(z, temperature)
-        d = tl.where(cols == local_target, coef, 0.0) - tl.exp(z - row_max) * coef_over_s
+        d = tl.where(cols == local_target, coef, 0.0) - tl.exp2(tl.fma(z, LOG2E, -h)) * coef_over_s
         tl.store(grad_row_ptr + cols, d.to(grad_row_ptr.dtype.element_ty), mask=in_row)
 
 
