@@ -67,10 +67,20 @@ class Variant:
     notes: str = field(default="", compare=False)
 
     def threads(self) -> int:
+        return self._value("RLK_THREADS", SOURCE_THREADS)
+
+    def persist_slots(self) -> int:
+        return self._value("RLK_PERSIST_SLOTS", 0)
+
+    def extra(self) -> tuple[str, ...]:
+        """The macros grpo_loss_one_read takes as EXTRA_DEFINES (THREADS and PERSIST_SLOTS apart)."""
+        return tuple(d for d in self.defines if d.split("=")[0] not in ("RLK_THREADS", "RLK_PERSIST_SLOTS"))
+
+    def _value(self, macro: str, default: int) -> int:
         for d in self.defines:
-            if d.startswith("RLK_THREADS="):
+            if d.startswith(macro + "="):
                 return int(d.split("=")[1])
-        return SOURCE_THREADS
+        return default
 
     def source(self) -> Path:
         if not self.baseline:
@@ -100,35 +110,83 @@ VARIANTS: dict[str, Variant] = {
     "t256": _v("RLK_THREADS=256"),
     "t256_c4": _v("RLK_THREADS=256", "RLK_MIN_CTAS=4", dtypes=("bf16",)),
     "min2": _v("RLK_MIN_CTAS=2", notes="registers capped for 2 CTAs (shared memory still fits 3)"),
+    "persist4": _v("RLK_PERSIST_SLOTS=4", notes="persistent clusters, a ring of one row's 4 stages (3 CTAs/SM)"),
+    "persist6": _v("RLK_PERSIST_SLOTS=6", "RLK_MIN_CTAS=2",
+                   notes="persistent, 6 stage buffers: 2 stages of the next row during the statistics (2 CTAs/SM)"),
+    "persist8_c8": _v("RLK_PERSIST_SLOTS=8", slice_kib=48, dtypes=("bf16",),
+                      notes="persistent, bf16 in clusters of 8: a ring of two rows (3 CTAs/SM; other sums' order)"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def defines_of(variant: Variant) -> tuple[str, ...]:
-    """The -D macros as grpo_loss_one_read.launch passes them (THREADS apart, EXTRA_DEFINES the rest)."""
-    threads = variant.threads()
-    extra = tuple(d for d in variant.defines if not d.startswith("RLK_THREADS="))
-    return (() if threads == 512 else (f"RLK_THREADS={threads}",)) + extra
+    """The -D macros as grpo_loss_one_read.launch passes them."""
+    return one_read.defines(variant.threads(), variant.persist_slots(), variant.extra())
 
 
 def use(variant: Variant) -> None:
     """Make the host side launch ``variant`` (module constants; the plan cache cleared)."""
     one_read.SOURCE = variant.source()
     one_read.THREADS = variant.threads()
-    one_read.EXTRA_DEFINES = tuple(d for d in variant.defines if not d.startswith("RLK_THREADS="))
+    one_read.PERSIST_SLOTS = variant.persist_slots()
+    one_read.EXTRA_DEFINES = variant.extra()
     one_read.SLICE_BYTES = variant.slice_bytes
     one_read._plan.cache_clear()
 
 
-def build_all(names: list[str]) -> dict[str, float]:
-    """Compile every variant's fatbin (in parallel; cached); seconds per variant."""
+def build_all(names: list[str]) -> dict[str, float | str]:
+    """Compile every variant's fatbin (in parallel; cached); seconds per variant, or the error."""
     def one(name):
         start = time.perf_counter()
-        build.compile_fatbin(VARIANTS[name].source(), defines_of(VARIANTS[name]))
+        try:
+            build.compile_fatbin(VARIANTS[name].source(), defines_of(VARIANTS[name]))
+        except build.CudaBuildError as exc:
+            print(f"[probe] variant {name} does not build: {exc}", flush=True)
+            return name, f"build failed: {str(exc)[-600:]}"
         return name, time.perf_counter() - start
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         return dict(pool.map(one, names))
+
+
+def smoke(names: list[str], dtypes: list[str], timeout_s: float = 150) -> dict[str, str]:
+    """Run each variant's kernel (--single, every dtype) in a child process of its own, all at once;
+    the variants that fail or hang (a kernel that never finishes would hold the whole probe), with why."""
+    procs = {}
+    for name in names:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--single", f"{name}:{','.join(dtypes)}",
+               *(["--baseline-source", str(BASELINE_SOURCE)] if BASELINE_SOURCE else [])]
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    failed = {}
+    deadline = time.monotonic() + timeout_s
+    for name, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            failed[name] = f"did not finish in {timeout_s:.0f} s"
+        else:
+            if proc.returncode != 0:
+                failed[name] = f"exit {proc.returncode}: {out[-1500:]}"
+    for name, why in failed.items():
+        print(f"[probe] variant {name} dropped: {why}", flush=True)
+    return failed
+
+
+def resource_usage(names: list[str]) -> None:
+    """Registers, stack and shared memory of the benchmark shape's kernels (cuobjdump, where present)."""
+    tool = shutil.which("cuobjdump") or next((str(p) for p in sorted(Path("/").glob("usr/local/cuda*/bin/cuobjdump"))),
+                                             None)
+    if tool is None:
+        return
+    for name in names:
+        fatbin = build.fatbin_path(VARIANTS[name].source(), defines_of(VARIANTS[name]))
+        proc = subprocess.run([tool, "-res-usage", str(fatbin)], capture_output=True, text=True, check=False)
+        lines = proc.stdout.splitlines()
+        for i, line in enumerate(lines):
+            if re.search(r"grpo_one_read_(bf16_c[48]|fp32_c8)\b", line) and i + 1 < len(lines):
+                print(f"[res {name}] {line.split()[-1]} {lines[i + 1].strip()}", flush=True)
 
 
 def _python_path_only() -> None:
@@ -251,7 +309,9 @@ def probe(names: list[str], dtypes: list[str], rounds: int) -> dict:
             row["slice_bytes"] = VARIANTS[name].slice_bytes
             use(VARIANTS[name])
             plan = one_read.plan(work.logits)
-            row["plan"] = f"C={plan.cluster} slice={plan.slice} threads={one_read.THREADS} smem={plan.shared_bytes}"
+            kernel = one_read._module(work.logits.device).kernel(plan.kernel, one_read.SIGNATURE)
+            row["plan"] = (f"C={plan.cluster} slice={plan.slice} threads={one_read.THREADS} smem={plan.shared_bytes} "
+                           f"grid={one_read.grid(plan, kernel, SHAPE[0])}")
             row.update(checks[name])
             results["cases"][f"{name}/{dn}"] = row
         results[f"limit_ms_{dn}"] = limit_ms
@@ -278,13 +338,18 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def single(name: str, dn: str) -> None:
-    """One variant's kernel, launched 3 times (for ncu: it profiles the last)."""
+def single(name: str, dtypes: str) -> None:
+    """One variant's kernel, launched 3 times per dtype (for ncu: it profiles the last; for smoke)."""
     use(VARIANTS[name])
-    work = Workload(DTYPES[dn])
-    for _ in range(3):
-        work.launch()
-    torch.cuda.synchronize()
+    for dn in dtypes.split(","):
+        if dn not in VARIANTS[name].dtypes:
+            continue
+        work = Workload(DTYPES[dn])
+        for _ in range(3):
+            work.launch()
+        torch.cuda.synchronize()
+        del work
+        torch.cuda.empty_cache()
 
 
 NCU_SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis",
@@ -371,8 +436,14 @@ def main() -> None:
     start = time.perf_counter()
     built = build_all(names)
     print(f"[probe] built {len(built)} variants in {time.perf_counter() - start:.1f} s", flush=True)
-    results = probe(names, args.dtypes.split(","), args.rounds)
+    resource_usage([n for n in names if not isinstance(built[n], str)])
+    dropped = {n: why for n, why in built.items() if isinstance(why, str)}
+    dropped.update(smoke([n for n in names if n != "default" and n not in dropped], args.dtypes.split(",")))
+    if "default" in dropped:
+        raise SystemExit(f"the default variant does not build: {dropped['default']}")
+    results = probe([n for n in names if n not in dropped], args.dtypes.split(","), args.rounds)
     results["build_s"] = built
+    results["dropped"] = dropped
     (args.out / "probe.json").write_text(json.dumps(results, indent=1))
     text = table(results)
     (args.out / "probe.md").write_text(text)
