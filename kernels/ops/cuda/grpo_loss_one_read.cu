@@ -55,6 +55,9 @@ namespace cg = cooperative_groups;
 #ifndef RLK_PERSIST_SLOTS
 #define RLK_PERSIST_SLOTS 0
 #endif
+#ifndef RLK_PERSIST_ROTATE
+#define RLK_PERSIST_ROTATE 1
+#endif
 
 // flags (bit set by the caller)
 #define FLAG_SCALE 1      // temperature != 1: z = logits / temperature (IEEE division)
@@ -371,13 +374,14 @@ __device__ __forceinline__ void stats_stage(const T* srow, int begin, int end, i
 
 // dlogits of this CTA's slice: -exp(z - m) * (c / S) everywhere (the one-hot term is added to the
 // target's element afterwards, by the caller), 16-byte streaming stores for full pieces
-// full pieces [first, end) of a slice (piece p at srow + p * VEC, written to dst + p * VEC), thread t
-// taking first + t, first + t + THREADS, ...: -exp(z - m) * (c / S) as 2^(z log2e - h) * neg_cs
+// full pieces [first, end) of a slice (piece p at srow + p * VEC, written to dst + p * VEC), the
+// thread at position q (0..THREADS-1) taking first + q, first + q + THREADS, ...: -exp(z - m) * (c / S)
+// as 2^(z log2e - h) * neg_cs
 template <typename T, bool SCALE>
-__device__ __forceinline__ void write_pieces(const T* srow, T* dst, int first, int end, float temperature, float h,
-                                             float neg_cs) {
+__device__ __forceinline__ void write_pieces(const T* srow, T* dst, int first, int end, int q, float temperature,
+                                             float h, float neg_cs) {
     constexpr int VEC = Vec<T>::N;
-    for (int p = first + static_cast<int>(threadIdx.x); p < end; p += RLK_THREADS) {
+    for (int p = first + q; p < end; p += RLK_THREADS) {
         float d[VEC];
         load_piece<T>(srow + p * VEC, d);
 #pragma unroll
@@ -407,7 +411,7 @@ __device__ __forceinline__ void write_slice(const T* srow, T* dst, int npieces, 
     // exp(z - m) (c / S) = 2^(z log2e - h) * [(c / S) * (1 - (m log2e - h) ln 2)], negated
     const float neg_cs = -c_over_s * ffma_exp_correction(row_max, h);
     const int nfull = ncols / VEC;
-    write_pieces<T, SCALE>(srow, dst, 0, nfull, temperature, h, neg_cs);
+    write_pieces<T, SCALE>(srow, dst, 0, nfull, static_cast<int>(threadIdx.x), temperature, h, neg_cs);
     const int valid = ncols - nfull * VEC;
     if (valid > 0 && threadIdx.x == nfull % RLK_THREADS) write_partial_piece<T, SCALE>(srow, dst, nfull, valid, temperature, h, neg_cs);
 }
@@ -836,13 +840,17 @@ __device__ __forceinline__ void grpo_one_read_persistent(
         for (int st = 0; st < RLK_STAGES; ++st) {
             const T* base = stage_base(k0, st);
             const int first = min(npieces, st * per_stage), end = min(npieces, (st + 1) * per_stage);
+            // this thread's position in the stage's sweep: rotated by the stage, so that the threads
+            // that take one piece more than the others differ from stage to stage
+            const int rot = RLK_PERSIST_ROTATE ? (st * (per_stage % RLK_THREADS)) % RLK_THREADS : 0;
+            const int q = (tid - rot + RLK_THREADS) % RLK_THREADS;
             if (!(flags & FLAG_STATS_ONLY)) {
                 if (scale) {
-                    write_pieces<T, true>(base, dst, first, min(end, nfull), temperature, h, neg_cs);
+                    write_pieces<T, true>(base, dst, first, min(end, nfull), q, temperature, h, neg_cs);
                 } else {
-                    write_pieces<T, false>(base, dst, first, min(end, nfull), temperature, h, neg_cs);
+                    write_pieces<T, false>(base, dst, first, min(end, nfull), q, temperature, h, neg_cs);
                 }
-                if (nfull < end && nfull >= first && tid == (nfull - first) % RLK_THREADS) {
+                if (nfull < end && nfull >= first && q == (nfull - first) % RLK_THREADS) {
                     if (scale) {
                         write_partial_piece<T, true>(base, dst, nfull, ncols - nfull * VEC, temperature, h, neg_cs);
                     } else {
@@ -851,7 +859,7 @@ __device__ __forceinline__ void grpo_one_read_persistent(
                 }
                 // the one-hot term, by the thread that wrote the target's piece (its store lands last)
                 if (local_target >= first * VEC && local_target < min(end * VEC, ncols) &&
-                    (local_target / VEC - first) % RLK_THREADS == tid) {
+                    (local_target / VEC - first) % RLK_THREADS == q) {
                     float x = to_f32(base[local_target]);
                     if (scale) x = __fdiv_rn(x, temperature);
                     dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
