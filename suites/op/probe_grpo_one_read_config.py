@@ -111,6 +111,8 @@ VARIANTS: dict[str, Variant] = {
     "t256_c4": _v("RLK_THREADS=256", "RLK_MIN_CTAS=4", dtypes=("bf16",)),
     "min2": _v("RLK_MIN_CTAS=2", notes="registers capped for 2 CTAs (shared memory still fits 3)"),
     "persist4": _v("RLK_PERSIST_SLOTS=4", notes="persistent clusters, a ring of one row's 4 stages (3 CTAs/SM)"),
+    "wait_hint": _v("RLK_WAIT_SUSPEND_NS=1000000", notes="mbarrier waits with a 1 ms suspend-time hint"),
+    "persist4_hint": _v("RLK_PERSIST_SLOTS=4", "RLK_WAIT_SUSPEND_NS=1000000", notes="persist4 and wait_hint"),
     "persist4_norot": _v("RLK_PERSIST_SLOTS=4", "RLK_PERSIST_ROTATE=0",
                          notes="persist4, each stage's write sweep starting at thread 0 (uneven across threads)"),
     "persist6": _v("RLK_PERSIST_SLOTS=6", "RLK_MIN_CTAS=2",

@@ -55,6 +55,10 @@ namespace cg = cooperative_groups;
 #ifndef RLK_PERSIST_SLOTS
 #define RLK_PERSIST_SLOTS 0
 #endif
+// > 0: mbarrier waits pass this suspend-time hint in ns (0: the system's default limit)
+#ifndef RLK_WAIT_SUSPEND_NS
+#define RLK_WAIT_SUSPEND_NS 0
+#endif
 #ifndef RLK_PERSIST_ROTATE
 #define RLK_PERSIST_ROTATE 1
 #endif
@@ -177,11 +181,20 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, int bytes) 
 }
 __device__ __forceinline__ void mbar_wait_phase0(uint64_t* bar) {
     const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+#if RLK_WAIT_SUSPEND_NS
+    // a waiting thread may be suspended up to this long (instead of the system's default limit)
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0, %1;\n"
+        " @!done bra WAIT_%=;\n}\n" ::"r"(b), "n"(RLK_WAIT_SUSPEND_NS) : "memory");
+#else
     asm volatile(
         "{\n .reg .pred done;\n"
         "WAIT_%=:\n"
         " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
         " @!done bra WAIT_%=;\n}\n" ::"r"(b) : "memory");
+#endif
 }
 // wait until the phase of parity `parity` has completed (a barrier reused in turns: phase k has parity k & 1)
 __device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, unsigned parity) {
@@ -189,8 +202,13 @@ __device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, unsigned parity)
     asm volatile(
         "{\n .reg .pred done;\n"
         "WAIT_%=:\n"
+#if RLK_WAIT_SUSPEND_NS
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+        " @!done bra WAIT_%=;\n}\n" ::"r"(b), "r"(parity), "n"(RLK_WAIT_SUSPEND_NS) : "memory");
+#else
         " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         " @!done bra WAIT_%=;\n}\n" ::"r"(b), "r"(parity) : "memory");
+#endif
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
