@@ -504,7 +504,7 @@ def _register_forward(call, weights_native, plan, one_read, sums_native) -> None
     if module is not None:
         word = device_errors.word_for(call.logits.device).ptr
         one_read_native = (one_read.handle.value, plan.cluster, plan.slice, one_read_kernel.THREADS,
-                           plan.shared_bytes, one_read_kernel.grid_clusters(plan, one_read))
+                           plan.shared_bytes)
         _registered(module.register_forward(call, weights_native, one_read_native, sums_native, word),
                     "forward kernels")
 

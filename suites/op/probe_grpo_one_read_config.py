@@ -17,7 +17,10 @@ rounds (every variant once per round, so drifting clocks hit all alike), per var
 * ``plain_ms``: the same call plainly (wall time, pytest_rlk.timing.bench);
 
 each the median over rounds, against the one-read limit (one read of the logits and one write of
-dlogits at the copy bandwidth measured in the same process). The op runs its Python path (the C++
+dlogits at the copy bandwidth measured in the same process). Before timing, every variant but the
+default runs once in a child process of its own, all at once: a variant that does not build, fails
+or does not finish in time is dropped (with why, in probe.json) and the probe goes on; the
+registers, stack and shared memory of the benchmark shape's kernels are printed (cuobjdump). The op runs its Python path (the C++
 host path keeps one kernel per key; at this shape the host time is hidden behind the GPU's). Every
 variant's dlogits and per-token outputs are compared with the default variant's (elements that
 differ, the largest difference in units of the output dtype's spacing). ``--ncu`` profiles the
@@ -25,7 +28,8 @@ kernel alone for the named variants (``ncu --clock-control none``, the sections 
 ``--tests VARIANT`` (a run of its own, after the probe) runs the one-read tests of
 suites/op/test_grpo_loss.py with that variant's build (``best``: the fastest bf16 op of
 DIR/probe.json). Results: DIR/probe.json, DIR/probe.md (a table), DIR/ncu_<variant>_<dtype>.csv.
-Measured results and commands: docs/performance-notes.md ("bulk copies and lean sweeps").
+Measured results and commands: docs/performance-notes.md ("bulk copies and lean sweeps", "a persistent
+grid of clusters").
 """
 
 from __future__ import annotations
@@ -67,20 +71,10 @@ class Variant:
     notes: str = field(default="", compare=False)
 
     def threads(self) -> int:
-        return self._value("RLK_THREADS", SOURCE_THREADS)
-
-    def persist_slots(self) -> int:
-        return self._value("RLK_PERSIST_SLOTS", 0)
-
-    def extra(self) -> tuple[str, ...]:
-        """The macros grpo_loss_one_read takes as EXTRA_DEFINES (THREADS and PERSIST_SLOTS apart)."""
-        return tuple(d for d in self.defines if d.split("=")[0] not in ("RLK_THREADS", "RLK_PERSIST_SLOTS"))
-
-    def _value(self, macro: str, default: int) -> int:
         for d in self.defines:
-            if d.startswith(macro + "="):
+            if d.startswith("RLK_THREADS="):
                 return int(d.split("=")[1])
-        return default
+        return SOURCE_THREADS
 
     def source(self) -> Path:
         if not self.baseline:
@@ -110,30 +104,22 @@ VARIANTS: dict[str, Variant] = {
     "t256": _v("RLK_THREADS=256"),
     "t256_c4": _v("RLK_THREADS=256", "RLK_MIN_CTAS=4", dtypes=("bf16",)),
     "min2": _v("RLK_MIN_CTAS=2", notes="registers capped for 2 CTAs (shared memory still fits 3)"),
-    "persist4": _v("RLK_PERSIST_SLOTS=4", notes="persistent clusters, a ring of one row's 4 stages (3 CTAs/SM)"),
-    "wait_hint": _v("RLK_WAIT_SUSPEND_NS=1000000", notes="mbarrier waits with a 1 ms suspend-time hint"),
-    "persist4_hint": _v("RLK_PERSIST_SLOTS=4", "RLK_WAIT_SUSPEND_NS=1000000", notes="persist4 and wait_hint"),
-    "persist4_norot": _v("RLK_PERSIST_SLOTS=4", "RLK_PERSIST_ROTATE=0",
-                         notes="persist4, each stage's write sweep starting at thread 0 (uneven across threads)"),
-    "persist6": _v("RLK_PERSIST_SLOTS=6", "RLK_MIN_CTAS=2",
-                   notes="persistent, 6 stage buffers: 2 stages of the next row during the statistics (2 CTAs/SM)"),
-    "persist8_c8": _v("RLK_PERSIST_SLOTS=8", slice_kib=48, dtypes=("bf16",),
-                      notes="persistent, bf16 in clusters of 8: a ring of two rows (3 CTAs/SM; other sums' order)"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def defines_of(variant: Variant) -> tuple[str, ...]:
-    """The -D macros as grpo_loss_one_read.launch passes them."""
-    return one_read.defines(variant.threads(), variant.persist_slots(), variant.extra())
+    """The -D macros as grpo_loss_one_read.launch passes them (THREADS apart, EXTRA_DEFINES the rest)."""
+    threads = variant.threads()
+    extra = tuple(d for d in variant.defines if not d.startswith("RLK_THREADS="))
+    return (() if threads == 512 else (f"RLK_THREADS={threads}",)) + extra
 
 
 def use(variant: Variant) -> None:
     """Make the host side launch ``variant`` (module constants; the plan cache cleared)."""
     one_read.SOURCE = variant.source()
     one_read.THREADS = variant.threads()
-    one_read.PERSIST_SLOTS = variant.persist_slots()
-    one_read.EXTRA_DEFINES = variant.extra()
+    one_read.EXTRA_DEFINES = tuple(d for d in variant.defines if not d.startswith("RLK_THREADS="))
     one_read.SLICE_BYTES = variant.slice_bytes
     one_read._plan.cache_clear()
 
@@ -313,9 +299,7 @@ def probe(names: list[str], dtypes: list[str], rounds: int) -> dict:
             row["slice_bytes"] = VARIANTS[name].slice_bytes
             use(VARIANTS[name])
             plan = one_read.plan(work.logits)
-            kernel = one_read._module(work.logits.device).kernel(plan.kernel, one_read.SIGNATURE)
-            row["plan"] = (f"C={plan.cluster} slice={plan.slice} threads={one_read.THREADS} smem={plan.shared_bytes} "
-                           f"grid={one_read.grid(plan, kernel, SHAPE[0])}")
+            row["plan"] = f"C={plan.cluster} slice={plan.slice} threads={one_read.THREADS} smem={plan.shared_bytes}"
             row.update(checks[name])
             results["cases"][f"{name}/{dn}"] = row
         results[f"limit_ms_{dn}"] = limit_ms

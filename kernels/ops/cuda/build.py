@@ -137,15 +137,6 @@ def driver() -> _Driver:
         return _driver
 
 
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h): grid, block, dynamic shared memory, stream, launch attributes."""
-
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
-                ("num_attrs", ctypes.c_uint)]
-
-
 # a kernel argument's C type in a signature: device pointer, int32, int64, float
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
@@ -167,7 +158,17 @@ class CudaKernel:
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments, got {len(args)}")
         drv = driver()
-        self._prepare(drv, shared_bytes)
+        # the function belongs to its device's context: make that context current (a process that
+        # drives several GPUs from one thread may have another device's context current now)
+        drv.ensure_context(self.device)
+        if shared_bytes > self._max_dynamic_smem:
+            self._max_dynamic_smem = shared_bytes
+            drv.check(drv.lib.cuFuncSetAttribute(self.handle, _ATTR_MAX_DYNAMIC_SHARED, shared_bytes),
+                      f"cuFuncSetAttribute({self.name}, max dynamic shared memory {shared_bytes})")
+            # all of L1/shared as shared memory: a kernel asking for this much wants as many CTAs
+            # per multiprocessor as fit (three of 75968 bytes on an H100, two with the default split)
+            drv.check(drv.lib.cuFuncSetAttribute(self.handle, _ATTR_SHARED_CARVEOUT, 100),
+                      f"cuFuncSetAttribute({self.name}, shared memory carveout 100%)")
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             values = [_CTYPES[kind]() for kind in self.signature]
@@ -181,31 +182,6 @@ class CudaKernel:
                                    params, None),
             f"cuLaunchKernel({self.name}, grid {grid}, block {block}, shared {shared_bytes})",
         )
-
-    def max_active_clusters(self, cluster: int, block: int, shared_bytes: int) -> int:
-        """How many clusters of ``cluster`` CTAs (the kernel's compiled cluster size) of ``block``
-        threads and ``shared_bytes`` of dynamic shared memory the GPU holds at once (the grid of a
-        persistent kernel: a larger one would leave clusters waiting for others to finish)."""
-        drv = driver()
-        self._prepare(drv, shared_bytes)
-        config = _LaunchConfig(cluster * 1024, 1, 1, block, 1, 1, shared_bytes, None, None, 0)
-        count = ctypes.c_int()
-        drv.check(drv.lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), self.handle, ctypes.byref(config)),
-                  f"cuOccupancyMaxActiveClusters({self.name}, block {block}, shared {shared_bytes})")
-        return count.value
-
-    def _prepare(self, drv: _Driver, shared_bytes: int) -> None:
-        # the function belongs to its device's context: make that context current (a process that
-        # drives several GPUs from one thread may have another device's context current now)
-        drv.ensure_context(self.device)
-        if shared_bytes > self._max_dynamic_smem:
-            self._max_dynamic_smem = shared_bytes
-            drv.check(drv.lib.cuFuncSetAttribute(self.handle, _ATTR_MAX_DYNAMIC_SHARED, shared_bytes),
-                      f"cuFuncSetAttribute({self.name}, max dynamic shared memory {shared_bytes})")
-            # all of L1/shared as shared memory: a kernel asking for this much wants as many CTAs
-            # per multiprocessor as fit (three of 75968 bytes on an H100, two with the default split)
-            drv.check(drv.lib.cuFuncSetAttribute(self.handle, _ATTR_SHARED_CARVEOUT, 100),
-                      f"cuFuncSetAttribute({self.name}, shared memory carveout 100%)")
 
 
 class CudaModule:

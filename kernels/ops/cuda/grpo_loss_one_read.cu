@@ -50,18 +50,6 @@ namespace cg = cooperative_groups;
 #ifndef RLK_BULK_LOAD
 #define RLK_BULK_LOAD 1
 #endif
-// > 0: the persistent form with a ring of that many stage buffers per CTA and a producer warp
-// (grpo_one_read_persistent; the caller launches RLK_THREADS + 32 threads, a grid of resident clusters)
-#ifndef RLK_PERSIST_SLOTS
-#define RLK_PERSIST_SLOTS 0
-#endif
-// > 0: mbarrier waits pass this suspend-time hint in ns (0: the system's default limit)
-#ifndef RLK_WAIT_SUSPEND_NS
-#define RLK_WAIT_SUSPEND_NS 0
-#endif
-#ifndef RLK_PERSIST_ROTATE
-#define RLK_PERSIST_ROTATE 1
-#endif
 
 // flags (bit set by the caller)
 #define FLAG_SCALE 1      // temperature != 1: z = logits / temperature (IEEE division)
@@ -181,38 +169,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, int bytes) 
 }
 __device__ __forceinline__ void mbar_wait_phase0(uint64_t* bar) {
     const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-#if RLK_WAIT_SUSPEND_NS
-    // a waiting thread may be suspended up to this long (instead of the system's default limit)
-    asm volatile(
-        "{\n .reg .pred done;\n"
-        "WAIT_%=:\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0, %1;\n"
-        " @!done bra WAIT_%=;\n}\n" ::"r"(b), "n"(RLK_WAIT_SUSPEND_NS) : "memory");
-#else
     asm volatile(
         "{\n .reg .pred done;\n"
         "WAIT_%=:\n"
         " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
         " @!done bra WAIT_%=;\n}\n" ::"r"(b) : "memory");
-#endif
-}
-// wait until the phase of parity `parity` has completed (a barrier reused in turns: phase k has parity k & 1)
-__device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, unsigned parity) {
-    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-    asm volatile(
-        "{\n .reg .pred done;\n"
-        "WAIT_%=:\n"
-#if RLK_WAIT_SUSPEND_NS
-        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-        " @!done bra WAIT_%=;\n}\n" ::"r"(b), "r"(parity), "n"(RLK_WAIT_SUSPEND_NS) : "memory");
-#else
-        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra WAIT_%=;\n}\n" ::"r"(b), "r"(parity) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(b) : "memory");
 }
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
@@ -392,35 +353,6 @@ __device__ __forceinline__ void stats_stage(const T* srow, int begin, int end, i
 
 // dlogits of this CTA's slice: -exp(z - m) * (c / S) everywhere (the one-hot term is added to the
 // target's element afterwards, by the caller), 16-byte streaming stores for full pieces
-// full pieces [first, end) of a slice (piece p at srow + p * VEC, written to dst + p * VEC), the
-// thread at position q (0..THREADS-1) taking first + q, first + q + THREADS, ...: -exp(z - m) * (c / S)
-// as 2^(z log2e - h) * neg_cs
-template <typename T, bool SCALE>
-__device__ __forceinline__ void write_pieces(const T* srow, T* dst, int first, int end, int q, float temperature,
-                                             float h, float neg_cs) {
-    constexpr int VEC = Vec<T>::N;
-    for (int p = first + q; p < end; p += RLK_THREADS) {
-        float d[VEC];
-        load_piece<T>(srow + p * VEC, d);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) d[j] = exp2_ftz(fmaf(scaled<SCALE>(d[j], temperature), LOG2E, -h)) * neg_cs;
-        __stcs(reinterpret_cast<int4*>(dst + p * VEC), pack_piece<T>(d));
-    }
-}
-
-// the slice's last piece when it holds fewer than VEC columns (`valid`), element by element
-template <typename T, bool SCALE>
-__device__ __forceinline__ void write_partial_piece(const T* srow, T* dst, int p, int valid, float temperature,
-                                                    float h, float neg_cs) {
-    constexpr int VEC = Vec<T>::N;
-    float d[VEC];
-    load_piece<T>(srow + p * VEC, d);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        if (j < valid) dst[p * VEC + j] = from_f32<T>(exp2_ftz(fmaf(scaled<SCALE>(d[j], temperature), LOG2E, -h)) * neg_cs);
-    }
-}
-
 template <typename T, bool SCALE>
 __device__ __forceinline__ void write_slice(const T* srow, T* dst, int npieces, int ncols, float temperature,
                                             float row_max, float c_over_s) {
@@ -429,9 +361,22 @@ __device__ __forceinline__ void write_slice(const T* srow, T* dst, int npieces, 
     // exp(z - m) (c / S) = 2^(z log2e - h) * [(c / S) * (1 - (m log2e - h) ln 2)], negated
     const float neg_cs = -c_over_s * ffma_exp_correction(row_max, h);
     const int nfull = ncols / VEC;
-    write_pieces<T, SCALE>(srow, dst, 0, nfull, static_cast<int>(threadIdx.x), temperature, h, neg_cs);
+    for (int p = threadIdx.x; p < nfull; p += RLK_THREADS) {
+        float d[VEC];
+        load_piece<T>(srow + p * VEC, d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) d[j] = exp2_ftz(fmaf(scaled<SCALE>(d[j], temperature), LOG2E, -h)) * neg_cs;
+        __stcs(reinterpret_cast<int4*>(dst + p * VEC), pack_piece<T>(d));
+    }
     const int valid = ncols - nfull * VEC;
-    if (valid > 0 && threadIdx.x == nfull % RLK_THREADS) write_partial_piece<T, SCALE>(srow, dst, nfull, valid, temperature, h, neg_cs);
+    if (valid > 0 && threadIdx.x == nfull % RLK_THREADS) {  // the partial piece
+        float d[VEC];
+        load_piece<T>(srow + nfull * VEC, d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            if (j < valid) dst[nfull * VEC + j] = from_f32<T>(exp2_ftz(fmaf(scaled<SCALE>(d[j], temperature), LOG2E, -h)) * neg_cs);
+        }
+    }
 }
 
 // dlogits of a slice held in shared memory: write_slice's -exp(z - m) * (c / S) everywhere, then
@@ -644,267 +589,6 @@ __device__ __forceinline__ void grpo_one_read(
     if (C > 1) cluster_wait();
 }
 
-#if RLK_PERSIST_SLOTS
-// The persistent form of the cluster kernel (RLK_PERSIST_SLOTS = S > 0): the grid holds as many
-// clusters as fit on the GPU at once (the caller launches that many), and cluster g takes rows g,
-// g + G, g + 2G, ... (G clusters). Each CTA keeps a ring of S stage buffers of its slice in shared
-// memory (a stage is the bulk-copy and statistics unit: ceil(slice pieces / STAGES) pieces; fill k,
-// stage k % STAGES of the CTA's row k / STAGES, goes into buffer k % S). The write sweep runs stage by
-// stage; the last warp to finish a stage issues the bulk copy of fill k + S into its buffer, so the
-// next row's copies are in flight while this row is being written (S = STAGES: the next row follows
-// stage by stage behind the writes; S > STAGES: its first S - STAGES stages also arrive while this
-// row's statistics are being formed). Every thread's arithmetic is the one-row kernel's on the same
-// pieces in the same order (same stages, statistics sweep, cluster tree, loss and write formula), so
-// the outputs are bitwise the same; only the write sweep's split of pieces over threads differs, which
-// no element's value depends on. Per row: the statistics, one cluster barrier, warp 0 combining the C
-// partials read through distributed shared memory (double-buffered by row parity: a CTA writes row
-// j + 2's partials only after the barrier of row j + 1, which every peer reaches after reading row
-// j's), thread 0 forming the loss (the target's logit comes from the CTA whose slice holds it, with
-// the partials), then the write sweep.
-
-// thread 0's part once the row's statistics (rm, rs) are known: logp, the token's loss terms, the
-// per-token outputs (`outputs`: rank 0 writes them), and (c, c / S, row max) for the write sweep
-__device__ __forceinline__ void row_terms(float z_t, float rm, float rs, bool bad, bool ignored, float old, float a,
-                                          float rollout, float ref, float w, bool scale, float temperature,
-                                          float eps_low, float eps_high, float eps_c, float tis_low, float tis_high,
-                                          float kl_coef, int flags, bool outputs, float* __restrict__ per_token,
-                                          int num_tokens, int64_t row, float* coef_out) {
-    if (scale) z_t = __fdiv_rn(z_t, temperature);
-    const float logp = bad ? __int_as_float(0x7fc00000) : (ignored ? 0.0f : (z_t - rm) - logf(rs));
-    float pg, clipped, dpg;
-    token_pg_and_grad(logp, old, a, rollout, eps_low, eps_high, eps_c, tis_low, tis_high, flags, pg, clipped, dpg);
-    float kl = 0.0f, dkl = 0.0f;
-    if (flags & FLAG_HAS_REF) kl_value_and_grad(logp, ref, old, flags, kl, dkl);
-    float coef = ignored ? 0.0f : dpg + kl_coef * dkl;
-    if (bad) {  // a bad row's terms are NaN (the clamps would drop a NaN log-prob)
-        pg = kl = coef = __int_as_float(0x7fc00000);
-    }
-    if (outputs) {
-        per_token[row] = pg;
-        per_token[num_tokens + row] = clipped;
-        per_token[2 * static_cast<int64_t>(num_tokens) + row] = old - logp;
-        per_token[3 * static_cast<int64_t>(num_tokens) + row] = kl;
-        per_token[4 * static_cast<int64_t>(num_tokens) + row] = coef;
-        per_token[5 * static_cast<int64_t>(num_tokens) + row] = rm;
-        per_token[6 * static_cast<int64_t>(num_tokens) + row] = rs;
-    }
-    // c = w * coef, the backward's row gradient for grad_output 1; then the softmax gradient's
-    // order of operations (row_write_grad): c [/ T], c / S, onehot * c - exp(z - m) * (c / S)
-    float c = w * coef;
-    if (scale) c = __fdiv_rn(c, temperature);
-    coef_out[0] = c;
-    coef_out[1] = __fdiv_rn(c, rs);
-    coef_out[2] = rm;
-}
-
-template <typename T, int C>
-__device__ __forceinline__ void grpo_one_read_persistent(
-    const T* __restrict__ logits, T* __restrict__ grad, const int64_t* __restrict__ ids,
-    const float* __restrict__ old_logp, const float* __restrict__ ref_logp, const float* __restrict__ adv,
-    const float* __restrict__ rollout_logp, const float* __restrict__ weights, float* __restrict__ per_token,
-    int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index,
-    float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high, float kl_coef,
-    int flags, int64_t* __restrict__ error_word, int64_t call_id) {
-    constexpr int VEC = Vec<T>::N;
-    constexpr int WARPS = RLK_THREADS / 32;
-    constexpr int SLOTS = RLK_PERSIST_SLOTS;
-    static_assert(SLOTS >= RLK_STAGES, "the ring must hold a whole row");
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* ring = reinterpret_cast<T*>(smem_raw);
-    __shared__ float warp_m[WARPS], warp_s[WARPS];
-    __shared__ float partial[2][4];  // by row parity: this CTA's (m, s, target logit where it holds it)
-    __shared__ float coef_smem[3];   // (c, c / S, row max) for the write sweep
-    __shared__ long long target_smem;
-    __shared__ __align__(8) uint64_t full_bar[SLOTS];
-    __shared__ unsigned released[SLOTS];  // warps done with the buffer, counted over all its fills
-
-    cg::cluster_group cluster = cg::this_cluster();
-    const int rank = C == 1 ? 0 : static_cast<int>(cluster.block_rank());
-    const int first_row = blockIdx.x / C, row_step = gridDim.x / C;
-    const int rows = first_row < num_tokens ? (num_tokens - 1 - first_row) / row_step + 1 : 0;
-    const int fills = rows * RLK_STAGES;
-    const int tid = threadIdx.x;
-    const bool scale = flags & FLAG_SCALE;
-    const int col0 = rank * slice;
-    const int ncols = max(0, min(vocab - col0, slice));
-    const int npieces = (ncols + VEC - 1) / VEC;
-    const int per_stage = (npieces + RLK_STAGES - 1) / RLK_STAGES;  // this CTA's stages (the one-row kernel's)
-    const int slot_elems = (slice / VEC + RLK_STAGES - 1) / RLK_STAGES * VEC;  // a buffer: the largest stage
-    const T* src = logits + col0;
-    // piece p of stage st of the row whose first fill is k0 is at the returned pointer + p * VEC
-    auto stage_base = [&](int k0, int st) -> const T* {
-        return ring + ((k0 + st) % SLOTS) * slot_elems - st * per_stage * VEC;
-    };
-    // fill k: stage k % STAGES of this CTA's row k / STAGES into buffer k % SLOTS (one thread)
-    auto issue_fill = [&](int k) {
-        const int st = k % RLK_STAGES;
-        const int64_t row = first_row + static_cast<int64_t>(k / RLK_STAGES) * row_step;
-        const int first = min(npieces, st * per_stage), end = min(npieces, (st + 1) * per_stage);
-        const int bytes = (end - first) * 16;
-        uint64_t* bar = &full_bar[k % SLOTS];
-        mbar_arrive_expect_tx(bar, bytes);
-        if (bytes > 0) bulk_load(ring + (k % SLOTS) * slot_elems, src + row * stride_row + first * VEC, bytes, bar);
-    };
-
-    if (tid == 0) {
-        for (int i = 0; i < SLOTS; ++i) {
-            mbar_init(&full_bar[i], 1);
-            released[i] = 0;
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    if (tid == 0) {
-        for (int k = 0; k < min(SLOTS, fills); ++k) issue_fill(k);
-    }
-
-    for (int j = 0; j < rows; ++j) {
-        const int64_t row = first_row + static_cast<int64_t>(j) * row_step;
-        const int k0 = j * RLK_STAGES;
-        const int par = j & 1;
-        // thread 0's scalars for the loss, loaded now: their latency hides behind the statistics
-        int64_t target = 0;
-        float old = 0.0f, a = 0.0f, rollout = 0.0f, ref = 0.0f, w = 0.0f;
-        if (tid == 0) {
-            target = ids[row];
-            old = old_logp[row];
-            a = adv[row];
-            w = weights[row];
-            rollout = (flags & FLAG_TIS) ? rollout_logp[row] : old;
-            if (flags & FLAG_HAS_REF) ref = ref_logp[row];
-        }
-        float m = -INFINITY, s = 0.0f;
-#pragma unroll
-        for (int st = 0; st < RLK_STAGES; ++st) {
-            mbar_wait_parity(&full_bar[(k0 + st) % SLOTS], ((k0 + st) / SLOTS) & 1);
-            const int begin = st * per_stage + tid, end = min(npieces, (st + 1) * per_stage);
-            if (scale) {
-                stats_stage<T, true>(stage_base(k0, st), begin, end, ncols, temperature, m, s);
-            } else {
-                stats_stage<T, false>(stage_base(k0, st), begin, end, ncols, temperature, m, s);
-            }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-            float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-            combine(m, s, m2, s2);
-        }
-        if ((tid & 31) == 0) { warp_m[tid >> 5] = m; warp_s[tid >> 5] = s; }
-        __syncthreads();
-        const bool ignored = target == ignore_index;  // thread 0's (the others' target is 0)
-        const bool owned = target >= 0 && target < vocab;
-        const bool bad = !ignored && !owned;
-        if (tid < 32) {
-            float cm = tid < WARPS ? warp_m[tid] : -INFINITY;
-            float cs = tid < WARPS ? warp_s[tid] : 0.0f;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) {
-                const float m2 = __shfl_xor_sync(0xffffffffu, cm, off);
-                const float s2 = __shfl_xor_sync(0xffffffffu, cs, off);
-                combine(cm, cs, m2, s2);
-            }
-            if (tid == 0) {
-                partial[par][0] = cm;
-                partial[par][1] = cs;
-                // the target's logit from this CTA's copy when its slice holds it (thread 0 waited for
-                // every stage of the row)
-                const int64_t lt = target - col0;
-                if (owned && lt >= 0 && lt < ncols) {
-                    partial[par][2] = to_f32(stage_base(k0, static_cast<int>(lt / VEC) / per_stage)[lt]);
-                }
-                if (bad && rank == 0) {
-                    const int64_t v = target < INT_MIN ? INT_MIN : (target > INT_MAX ? INT_MAX : target);
-                    error_word[1] = static_cast<int64_t>(row) * 4294967296LL + (v & 4294967295LL);
-                    error_word[2] = vocab;
-                    __threadfence_system();
-                    error_word[0] = call_id * 16 + 1;
-                }
-            }
-        }
-        if (C > 1) { cluster_arrive(); cluster_wait(); } else { __syncthreads(); }
-        if (tid < 32) {
-            float rm = -INFINITY, rs = 0.0f, rz = 0.0f;
-            if (tid < C) {
-                const float* p = C > 1 ? cluster.map_shared_rank(&partial[par][0], tid) : &partial[par][0];
-                rm = p[0];
-                rs = p[1];
-                rz = p[2];
-            }
-#pragma unroll
-            for (int off = 1; off < C; off <<= 1) {
-                const float m2 = __shfl_down_sync(0xffffffffu, rm, off);
-                const float s2 = __shfl_down_sync(0xffffffffu, rs, off);
-                if ((tid & (2 * off - 1)) == 0) combine(rm, rs, m2, s2);
-            }
-            const float z_held = __shfl_sync(0xffffffffu, rz, owned ? static_cast<int>(target) / slice : 0);
-            if (tid == 0) {
-                row_terms(owned ? z_held : 0.0f, rm, rs, bad, ignored, old, a, rollout, ref, w, scale, temperature,
-                          eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, flags, rank == 0, per_token,
-                          num_tokens, row, coef_smem);
-                target_smem = target;
-            }
-        }
-        __syncthreads();
-        const float c = coef_smem[0];
-        const float c_over_s = coef_smem[1];
-        const float row_max = coef_smem[2];
-        const int64_t local_target = target_smem - col0;
-        const float h = row_max * LOG2E;
-        const float neg_cs = -c_over_s * ffma_exp_correction(row_max, h);  // as write_slice
-        T* dst = grad + row * stride_grad + col0;
-        const int nfull = ncols / VEC;
-#pragma unroll
-        for (int st = 0; st < RLK_STAGES; ++st) {
-            const T* base = stage_base(k0, st);
-            const int first = min(npieces, st * per_stage), end = min(npieces, (st + 1) * per_stage);
-            // this thread's position in the stage's sweep: rotated by the stage, so that the threads
-            // that take one piece more than the others differ from stage to stage
-            const int rot = RLK_PERSIST_ROTATE ? (st * (per_stage % RLK_THREADS)) % RLK_THREADS : 0;
-            const int q = (tid - rot + RLK_THREADS) % RLK_THREADS;
-            if (!(flags & FLAG_STATS_ONLY)) {
-                if (scale) {
-                    write_pieces<T, true>(base, dst, first, min(end, nfull), q, temperature, h, neg_cs);
-                } else {
-                    write_pieces<T, false>(base, dst, first, min(end, nfull), q, temperature, h, neg_cs);
-                }
-                if (nfull < end && nfull >= first && q == (nfull - first) % RLK_THREADS) {
-                    if (scale) {
-                        write_partial_piece<T, true>(base, dst, nfull, ncols - nfull * VEC, temperature, h, neg_cs);
-                    } else {
-                        write_partial_piece<T, false>(base, dst, nfull, ncols - nfull * VEC, temperature, h, neg_cs);
-                    }
-                }
-                // the one-hot term, by the thread that wrote the target's piece (its store lands last)
-                if (local_target >= first * VEC && local_target < min(end * VEC, ncols) &&
-                    (local_target / VEC - first) % RLK_THREADS == q) {
-                    float x = to_f32(base[local_target]);
-                    if (scale) x = __fdiv_rn(x, temperature);
-                    dst[local_target] = from_f32<T>(c - exp_sweep(x - row_max) * c_over_s);
-                }
-            }
-            // this warp is done with the buffer; the last warp to be done refills it
-            __syncwarp();
-            if ((tid & 31) == 0) {
-                const int k = k0 + st;
-                __threadfence_block();  // the warp's reads of the buffer before its count
-                const unsigned done = atomicAdd(&released[k % SLOTS], 1u);
-                if (done % WARPS == WARPS - 1 && k + SLOTS < fills) {
-                    __threadfence_block();  // every warp's reads before the copy engine writes
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    issue_fill(k + SLOTS);
-                }
-            }
-        }
-    }
-    // a CTA must not exit while another may still read its partials
-    if (C > 1) { cluster_arrive(); cluster_wait(); }
-}
-#define RLK_ONE_READ_BODY grpo_one_read_persistent
-#else
-#define RLK_ONE_READ_BODY grpo_one_read
-#endif
-
 #define RLK_DEFINE(NAME, T, C)                                                                            \
     extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(RLK_THREADS, RLK_MIN_CTAS) NAME(             \
         const T* logits, T* grad, const int64_t* ids, const float* old_logp, const float* ref_logp,       \
@@ -912,7 +596,7 @@ __device__ __forceinline__ void grpo_one_read_persistent(
         int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index, \
         float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high,     \
         float kl_coef, int flags, int64_t* error_word, int64_t call_id) {                              \
-        RLK_ONE_READ_BODY<T, C>(logits, grad, ids, old_logp, ref_logp, adv, rollout_logp, weights, per_token, \
+        grpo_one_read<T, C>(logits, grad, ids, old_logp, ref_logp, adv, rollout_logp, weights, per_token, \
                             stride_row, stride_grad, num_tokens, vocab, slice, ignore_index, temperature, \
                             eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, flags, error_word,      \
                             call_id);                                                                     \

@@ -30,11 +30,6 @@ from kernels.ops.cuda import build
 
 SOURCE = Path(__file__).with_name("grpo_loss_one_read.cu")
 THREADS = 512  # threads per CTA (RLK_THREADS in the source)
-STAGES = 4  # bulk copies per slice (RLK_STAGES in the source)
-# > 0: the persistent form (RLK_PERSIST_SLOTS in the source): a grid of as many clusters as the GPU
-# holds at once, each CTA a ring of this many stage buffers that the next row fills while this one
-# is written; 0: a cluster per row
-PERSIST_SLOTS = 0
 # NAME=VALUE macros for experiments (e.g. RLK_MIN_CTAS=2; suites/op/probe_grpo_one_read_config.py)
 EXTRA_DEFINES: tuple[str, ...] = ()
 SLICE_BYTES = 96 * 1024
@@ -68,7 +63,6 @@ class OneReadPlan:
     cluster: int
     slice: int  # columns per CTA (a multiple of the 16-byte vector)
     shared_bytes: int
-    persist_slots: int = 0  # PERSIST_SLOTS when the plan was made: > 0, a grid of resident clusters
 
 
 def cut(vocab: int, itemsize: int) -> tuple[int, int] | None:
@@ -131,10 +125,7 @@ def _plan(index: int | None, dtype: torch.dtype, vocab: int, row_stride: int, co
     if not _buildable():
         return "nvcc not found and no cached build (set RLK_NVCC or CUDA_HOME)"
     cluster, slice_cols = shape
-    shared = slice_cols * itemsize
-    if PERSIST_SLOTS:  # the ring: PERSIST_SLOTS buffers of the largest stage
-        shared = PERSIST_SLOTS * -(-(shared // 16) // STAGES) * 16
-    return OneReadPlan(f"grpo_one_read_{suffix}_c{cluster}", cluster, slice_cols, shared, PERSIST_SLOTS)
+    return OneReadPlan(f"grpo_one_read_{suffix}_c{cluster}", cluster, slice_cols, slice_cols * itemsize)
 
 
 def flags_for(config, *, scale: bool, has_ref: bool, kl_code: int) -> int:
@@ -180,30 +171,8 @@ def launch(
         config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags, error_word, call_id,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
-    kernel.launch(grid(the_plan, kernel, num_tokens), THREADS, the_plan.shared_bytes, args, stream)
+    kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
     return kernel
-
-
-def grid(the_plan: OneReadPlan, kernel: build.CudaKernel, num_tokens: int) -> int:
-    """CTAs to launch for ``num_tokens`` rows: a cluster per row, or (persistent) at most as many
-    clusters as the GPU holds at once."""
-    clusters = grid_clusters(the_plan, kernel)
-    return (min(num_tokens, clusters) if clusters else num_tokens) * the_plan.cluster
-
-
-def grid_clusters(the_plan: OneReadPlan, kernel: build.CudaKernel) -> int:
-    """The persistent kernel's cluster count (its grid for T >= that), 0 for one cluster per row."""
-    if not the_plan.persist_slots:
-        return 0
-    return _resident_clusters(kernel, the_plan.cluster, the_plan.shared_bytes)
-
-
-@functools.lru_cache(maxsize=64)
-def _resident_clusters(kernel: build.CudaKernel, cluster: int, shared_bytes: int) -> int:
-    found = kernel.max_active_clusters(cluster, THREADS, shared_bytes)
-    if found < 1:
-        raise RuntimeError(f"{kernel.name}: no cluster of {cluster} CTAs with {shared_bytes} bytes of shared memory fits")
-    return found
 
 
 def write_from_stats(
@@ -235,11 +204,6 @@ def write_from_stats(
     kernel.launch(num_tokens * blocks_per_row, THREADS, block_cols * logits.element_size(), args, stream)
 
 
-def defines(threads: int, persist_slots: int, extra: tuple[str, ...]) -> tuple[str, ...]:
-    """The -D macros of a build (the source's defaults left out: the default build's cache key stays)."""
-    return ((() if threads == 512 else (f"RLK_THREADS={threads}",))
-            + ((f"RLK_PERSIST_SLOTS={persist_slots}",) if persist_slots else ()) + extra)
-
-
 def _module(device: torch.device) -> build.CudaModule:
-    return build.load_module(SOURCE, device, defines(THREADS, PERSIST_SLOTS, EXTRA_DEFINES))
+    defines = (() if THREADS == 512 else (f"RLK_THREADS={THREADS}",)) + EXTRA_DEFINES
+    return build.load_module(SOURCE, device, defines)

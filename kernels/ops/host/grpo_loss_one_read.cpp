@@ -23,8 +23,7 @@
 //   launched for this call: weights and sums as kernels.launch.CachedLaunch.native_launch's tuple
 //   (CUfunction handle, threads per block, dynamic shared memory, parameter letters), one_read as
 //   (CUfunction handle of kernels/ops/cuda/grpo_loss_one_read.cu's kernel, cluster size, slice
-//   columns, threads, dynamic shared memory[, the persistent kernel's cluster count: its grid is
-//   min(T, that) clusters, not T]). register_backward(logits, ids, grad_output,
+//   columns, threads, dynamic shared memory). register_backward(logits, ids, grad_output,
 //   temperature, ignore_index, dlogits, programs) stores the backward's UNLESS_UNIT dlogits kernel
 //   (``programs``: the grid's cap, one wave). Each kernel is kept under a key of its own that holds
 //   everything Triton specializes it on (see the *_key functions); a register call returns None
@@ -90,7 +89,6 @@ struct OneReadKernel {
   int64_t slice = 0;
   unsigned threads = 0;
   unsigned shared = 0;
-  int64_t clusters = 0;  // > 0: a persistent kernel's grid, at most this many clusters; 0: one per row
 };
 
 // ---------------------------------------------------------------- registries
@@ -487,9 +485,8 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
       params[13] = &slice, params[14] = &ignore_index;
       for (int i = 0; i < 7; ++i) params[15 + i] = &scalars[i];
       params[22] = &flags, params[23] = &word_ptr, params[24] = &call_id;
-      const int64_t grid_clusters = k.clusters > 0 ? std::min<int64_t>(t, k.clusters) : t;
-      launch_or_throw("one-read", k.function, static_cast<unsigned>(grid_clusters * k.cluster), k.threads, k.shared,
-                      stream, params);
+      launch_or_throw("one-read", k.function, static_cast<unsigned>(t * k.cluster), k.threads, k.shared, stream,
+                      params);
     }
     clock.mark(kOneRead);
     {
@@ -549,16 +546,16 @@ PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   TritonKernel weights, sums;
   OneReadKernel one_read;
   unsigned long long one_read_function = 0, one_read_word = 0;
-  long long cluster = 0, slice = 0, clusters = 0;
+  long long cluster = 0, slice = 0;
   unsigned int threads = 0, shared = 0;
   if (!read_native(args[1], &weights) || !read_native(args[3], &sums) ||
-      !PyArg_ParseTuple(args[2], "KLLII|L", &one_read_function, &cluster, &slice, &threads, &shared, &clusters)) {
+      !PyArg_ParseTuple(args[2], "KLLII", &one_read_function, &cluster, &slice, &threads, &shared)) {
     return nullptr;
   }
   one_read_word = PyLong_AsUnsignedLongLong(args[4]);
   if (PyErr_Occurred()) return nullptr;
   one_read.function = one_read_function, one_read.cluster = cluster, one_read.slice = slice;
-  one_read.threads = threads, one_read.shared = shared, one_read.clusters = clusters;
+  one_read.threads = threads, one_read.shared = shared;
   if (cluster <= 0 || slice <= 0 || threads == 0) {
     PyErr_SetString(PyExc_ValueError, "grpo_loss host path: a one-read plan needs cluster, slice and threads > 0");
     return nullptr;
@@ -578,7 +575,7 @@ PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (known != one_read_kernels.end()) {
     const OneReadKernel& old = known->second;
     if (old.function != one_read.function || old.cluster != one_read.cluster || old.slice != one_read.slice ||
-        old.threads != one_read.threads || old.shared != one_read.shared || old.clusters != one_read.clusters) {
+        old.threads != one_read.threads || old.shared != one_read.shared) {
       Py_RETURN_FALSE;
     }
   }
