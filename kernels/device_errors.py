@@ -15,7 +15,11 @@ word  what the kernel stores there
 1     ``row * 2**32 + (value mod 2**32)``: the first bad row (or sample) a program saw and its
       value, clamped to int32 (one store, so row and value come from the same program)
 2     the bound the value broke (V for ids, T for lengths)
-3     unused (0)
+3     not a report: the incoming gradient (fp32) of the last one-read ``grpo_loss`` backward on
+      this device, as ``bits(g) XOR bits(1.0)`` (``0x3F800000``) in the low 32 bits, so that the
+      untouched word (0) reads as 1.0; the backward's write kernel stores it, and the next forward
+      reads it (:meth:`ErrorWord.last_grad`, no wait: a stale value is only a worse prediction) to
+      write dlogits for that gradient (kernels/ops/grpo_loss.py). A report's clearing leaves it alone.
 ====  ==================================================================================
 
 The host reads word 0 from memory (no CUDA call, no wait) at the start of every later call of an
@@ -36,12 +40,15 @@ are always checked on the host before the launch: reading them costs no wait.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import torch
 
 # the input a report names (word 0 mod 16)
 INPUT_TARGET_IDS, INPUT_LENGTHS, INPUT_LENGTHS_SUM, INPUT_CU_SEQLENS = 1, 2, 3, 4
+LAST_GRAD = 3  # the word grpo_loss's backward stores its incoming gradient in (not a report)
+FP32_ONE_BITS = 0x3F800000  # bits(1.0f): word 3 holds bits(g) XOR these, so 0 means 1.0
 INPUTS = {INPUT_TARGET_IDS: "target_ids", INPUT_LENGTHS: "lengths", INPUT_LENGTHS_SUM: "lengths",
           INPUT_CU_SEQLENS: "cu_seqlens"}
 CALL_ID_MASK = (1 << 24) - 1  # call ids wrap here (a kernel argument stays an int32)
@@ -63,7 +70,7 @@ class ErrorWord:
     """One device's error word: ``tensor`` (int64 [4], pinned host memory, the kernels' pointer
     argument; on a CPU device plain memory) and a view the host reads without torch."""
 
-    __slots__ = ("device", "ptr", "tensor", "view")
+    __slots__ = ("_last_grad_bits", "device", "last_grad_ptr", "ptr", "tensor", "view")
 
     def __init__(self, device: torch.device) -> None:
         pinned = device.type == "cuda"
@@ -71,6 +78,13 @@ class ErrorWord:
         self.tensor = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
         self.ptr = self.tensor.data_ptr()
         self.view = (ctypes.c_int64 * 4).from_address(self.ptr)
+        self.last_grad_ptr = self.ptr + 8 * LAST_GRAD  # the write kernel's pointer argument (word 3)
+        self._last_grad_bits = ctypes.c_uint32.from_address(self.last_grad_ptr)  # its low half (little-endian)
+
+    def last_grad(self) -> float:
+        """The last one-read ``grpo_loss`` backward's incoming gradient on this device (1.0 before
+        any): a read of host memory, no wait (word 3, see the table above)."""
+        return decode_grad(self._last_grad_bits.value)
 
     def reported(self) -> bool:
         """Whether a kernel has written a report (a read of host memory: no wait)."""
@@ -82,7 +96,7 @@ class ErrorWord:
         if tag == 0:
             return None
         packed, bound = self.view[1], self.view[2]
-        for i in range(4):
+        for i in range(LAST_GRAD):
             self.view[i] = 0
         return _error(self.device, tag, packed, bound)
 
@@ -95,13 +109,18 @@ _next_id = 0
 
 def word_for(device: torch.device) -> ErrorWord:
     """``device``'s error word (allocated on first use, kept for the process: CUDA graphs keep its
-    address)."""
+    address). ``cuda`` without an index is the current device's word (a tensor's device always has
+    one: the lookup a call makes stays one dict read)."""
     word = _words.get(device)
     if word is None:
         with _lock:
             word = _words.get(device)
             if word is None:
-                word = _words[device] = ErrorWord(device)
+                indexed = device
+                if device.type == "cuda" and device.index is None:
+                    indexed = torch.device("cuda", torch.cuda.current_device())
+                word = _words.get(indexed) or ErrorWord(indexed)
+                _words[device] = _words[indexed] = word
     return word
 
 
@@ -145,6 +164,16 @@ def raise_pending_errors(device: torch.device | str | int | None = None) -> None
             raise error
 
 
+def encode_grad(g: float) -> int:
+    """Word 3's value for an incoming gradient ``g`` (rounded to fp32): bits(g) XOR bits(1.0)."""
+    return struct.unpack("<I", struct.pack("<f", g))[0] ^ FP32_ONE_BITS
+
+
+def decode_grad(word: int) -> float:
+    """The fp32 gradient word 3 holds (its low 32 bits; 0 is 1.0)."""
+    return struct.unpack("<f", struct.pack("<I", (word & 0xFFFFFFFF) ^ FP32_ONE_BITS))[0]
+
+
 def _error(device: torch.device, tag: int, packed: int, bound: int) -> DeviceInputError:
     call_id, input_code = tag >> 4, tag & 15
     input_name = INPUTS.get(input_code, f"input #{input_code}")
@@ -182,6 +211,8 @@ __all__ = [
     "DeviceInputError",
     "ErrorWord",
     "begin_call",
+    "decode_grad",
+    "encode_grad",
     "raise_if_reported",
     "raise_pending_errors",
     "word_for",

@@ -20,12 +20,13 @@ exactly the eager call's kernels (``kernels.ops.grpo_loss``: ``grpo_loss_stats``
 * two reads (the Triton path): the statistics kernel, then the dlogits kernel with grad_loss
   folded in, the eager call's sequence itself;
 * one read (the CUDA cluster kernel, kernels/ops/cuda/grpo_loss_one_read.py): the cluster kernel
-  with its statistics only (the eager forward's bits), then in the backward a kernel that writes
-  the eager forward's dlogits for a gradient of 1 from the saved statistics (one read of the
-  logits, one write) and does nothing for another gradient, then the dlogits kernel's rewrite of
-  the rows when the gradient is not 1, as the eager backward does. Three passes over [T, V] (the
-  logits read in each direction, dlogits written once) against the eager call's two (one read,
-  one write); the eager call holds dlogits from its forward on, the operators hold none. (The
+  with its statistics only (the eager forward's bits), then in the backward the write kernel, which
+  reads grad_loss on the device and writes dlogits from the saved statistics with it folded in
+  (one read of the logits, one write): the bits the eager call gives for that gradient, whether
+  its forward predicted it or its backward rewrote the rows. Three passes over [T, V] (the logits
+  read in each direction, dlogits written once) against the eager call's two once its prediction
+  holds (one read, one write); the eager call holds dlogits from its forward on, the operators
+  hold none. (The
   eager call's two passes need the backward to hand out, or rescale in place, a [T, V] buffer the
   forward wrote; AOTAutograd turns a backward's mutation of a saved tensor into a copy, a pass of
   its own.)

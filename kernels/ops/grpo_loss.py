@@ -12,11 +12,13 @@ dkl/dlogp)`` formed per token in registers:
 * **one read** (default where it applies: logits that need a gradient on a Hopper-or-newer GPU,
   16-byte aligned rows, nvcc available; see kernels/ops/cuda/grpo_loss_one_read.py): a CUDA
   thread-block-cluster kernel holds each row in the shared memory of a cluster of CTAs, reduces
-  it once, and writes the loss terms and ``dlogits = c (onehot - softmax) / T`` for grad_output 1
-  in the forward: the logits are read once and dlogits written once. The backward hands that
-  buffer out as the gradient when grad_output is exactly 1 (checked on the device, no host sync);
-  otherwise a kernel rewrites the rows from the logits with grad_output folded in (one rounding,
-  as below). A second backward through a retained graph takes the two-read backward.
+  it once, and writes the loss terms and ``dlogits = c g (onehot - softmax) / T`` in the forward,
+  for ``g`` the incoming gradient the last backward met on this device (a training loop scales its
+  loss by the same factor every step; 1.0 at first): the logits are read once and dlogits written
+  once. The backward hands that buffer out as the gradient when grad_output has exactly the
+  predicted value (checked on the device, no host sync); otherwise a kernel rewrites the rows from
+  the logits and the saved statistics with grad_output folded in, the same arithmetic (the same
+  bits for the same gradient). A second backward through a retained graph writes fresh rows.
 * **two reads** (the Triton path, everywhere else, and with ``RLK_GRPO_ONE_READ=0``): the forward
   sweeps each row once (online max / sum-exp) and stores [7, T] fp32 (the four metric terms, the
   unweighted coefficient, row max, sum-exp); the backward's dlogits kernel forms ``c = w coef`` and
@@ -34,8 +36,8 @@ row is larger than one multiprocessor's shared memory; Triton has no clusters): 
 
 Under ``torch.compile`` the PyTorch operators (kernels/library/grpo_loss.py) run these kernels split
 so that no [T, V] tensor lives between forward and backward: :func:`grpo_loss_stats` (the one-read
-kernel with its statistics only) and :func:`grpo_loss_dlogits` (dlogits from the statistics: the
-eager bits, one more read of the logits on the one-read path).
+kernel with its statistics only) and :func:`grpo_loss_dlogits` (dlogits from the statistics for the
+actual gradient: the eager bits, one more read of the logits on the one-read path).
 
 ``inplace_backward=True`` (opt-in; always the two-read path) writes dlogits into the logits buffer during the backward:
 no extra [T, V] memory, but the logits' values are destroyed — use it only when nothing reads
@@ -46,7 +48,7 @@ Host time: a launch-bound call (a few hundred tokens) is all host time. Once the
 has run a call's kernels (compiled, launched, keyed), later calls of the common case (one read,
 plain contiguous CUDA tensors, the usual dtypes; kernels/ops/host/grpo_loss_one_read.cpp says
 which) take the host path: one C++ call that checks, allocates and launches the forward's three
-kernels and attaches a C++ autograd node whose backward launches the dlogits kernel, so neither
+kernels and attaches a C++ autograd node whose backward launches the write kernel, so neither
 ``grpo_loss(...)`` nor its ``.backward()`` enters Python past the contract and dispatch. Anything
 else runs the Python path, the only one that decides and explains; :func:`host_path` says which
 path serves calls now.
@@ -58,7 +60,6 @@ its backward is the logp backward kernel. Same values, one more read of the logi
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -68,7 +69,7 @@ import triton.language as tl
 from kernels import device_errors, launch
 from kernels.contracts import METRIC_NAMES, GrpoLossCall, entry_point
 from kernels.contracts.grpo_loss import to_device
-from kernels.launch import CachedLaunch, LaunchKeyError
+from kernels.launch import CachedLaunch
 from kernels.ops.cuda import grpo_loss_one_read as one_read_kernel
 from kernels.ops.host import HostModule
 from kernels.ops.logp import (
@@ -264,41 +265,23 @@ def _weighted_sums_kernel(per_token_ptr, weights_ptr, metrics_ptr, loss_ptr, num
 
 
 @triton.jit
-def _write_grad_row(row, logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g, max_ptr, sumexp_ptr,
-                    stride_row, stride_grad_row, vocab, ignore_index, temperature,
-                    BLOCK_V: tl.constexpr, SCALE: tl.constexpr):
-    row = row.to(tl.int64)
+def _grpo_dlogits_kernel(
+    logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, grad_output_ptr, max_ptr, sumexp_ptr,
+    stride_row, stride_grad_row, vocab, ignore_index, temperature,
+    BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+):
+    """The two-read path's dlogits: one program per row, from the forward's statistics, grad_output
+    read on the device (no host sync)."""
+    row = tl.program_id(0).to(tl.int64)
     target_id = tl.load(ids_ptr + row).to(tl.int64)
     # c = w * coef (the product the loss's autograd forms), then grad_output folds into it before
     # the single rounding of each dlogit (exact for any scale)
-    row_grad = (tl.load(weights_ptr + row) * tl.load(coef_ptr + row)) * g
+    row_grad = (tl.load(weights_ptr + row) * tl.load(coef_ptr + row)) * tl.load(grad_output_ptr).to(tl.float32)
     row_write_grad(
         logits_ptr + row * stride_row, grad_ptr + row * stride_grad_row,
         tl.where(target_id == ignore_index, 0.0, row_grad), tl.load(max_ptr + row), tl.load(sumexp_ptr + row),
         target_id, vocab, temperature, BLOCK_V, SCALE,
     )
-
-
-@triton.jit
-def _grpo_dlogits_kernel(
-    logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, grad_output_ptr, max_ptr, sumexp_ptr,
-    stride_row, stride_grad_row, vocab, ignore_index, temperature, num_rows,
-    BLOCK_V: tl.constexpr, SCALE: tl.constexpr, UNLESS_UNIT: tl.constexpr,
-):
-    """dlogits rows from the forward's statistics, grad_output read on the device (no host sync).
-    One program per row; ``UNLESS_UNIT`` (the one-read path, whose forward wrote the rows for
-    grad_output 1): rows are rewritten only when grad_output is not exactly 1, by a grid of
-    about one wave of programs that each take every num_programs-th row (a program per row that
-    only returns costs measurable time at large T)."""
-    g = tl.load(grad_output_ptr).to(tl.float32)
-    if UNLESS_UNIT:
-        if g != 1.0:
-            for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-                _write_grad_row(row, logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g, max_ptr, sumexp_ptr,
-                                stride_row, stride_grad_row, vocab, ignore_index, temperature, BLOCK_V, SCALE)
-    else:
-        _write_grad_row(tl.program_id(0), logits_ptr, grad_ptr, ids_ptr, weights_ptr, coef_ptr, g, max_ptr,
-                        sumexp_ptr, stride_row, stride_grad_row, vocab, ignore_index, temperature, BLOCK_V, SCALE)
 
 
 REDUCE_BLOCK = 1024
@@ -310,13 +293,6 @@ _TOKEN_WEIGHTS = CachedLaunch(_token_weights_kernel)
 _WEIGHTED_SUMS = CachedLaunch(_weighted_sums_kernel)
 _GRPO_DLOGITS = CachedLaunch(_grpo_dlogits_kernel)
 _HOST = HostModule("grpo_loss_one_read")
-_host_forward = None  # the host path's forward, once it holds a kernel (see _host_module)
-
-
-@functools.lru_cache(maxsize=None)
-def _one_wave(device: torch.device, num_warps: int) -> int:
-    """Programs of ``num_warps`` warps that fit on ``device`` at once (2048 threads per SM)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count * max(1, 64 // num_warps)
 
 
 def fused_token_weights(loss_mask: torch.Tensor, lengths: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
@@ -357,7 +333,18 @@ def one_read_plan(logits: torch.Tensor) -> one_read_kernel.OneReadPlan | str:
 
 class GrpoLossFunction(torch.autograd.Function):
     """Forward: the per-row statistics and loss kernel, or the one-read cluster kernel that also writes
-    dlogits; backward: the dlogits kernel (or, one-read, a rewrite only when grad_output != 1)."""
+    dlogits for a predicted incoming gradient; backward: the two-read dlogits kernel, or (one read)
+    the write kernel, which rewrites the rows only when the actual gradient is not the predicted one.
+
+    Which gradient the one-read forward writes dlogits for: the loss's gradient is known only in
+    the backward, and a training step scales the loss (vime's ``loss_function`` multiplies it by
+    ``num_microbatches / global_batch_size * dp_size`` for Megatron), the same factor every step.
+    The forward predicts the last backward's gradient (kernels/device_errors.py, word 3: the write
+    kernel stores it there; 1.0 before any backward) and folds it into the rows it writes; the
+    backward's write kernel compares the actual gradient, on the device, with the prediction: equal,
+    the forward's rows are the gradient (two passes over [T, V] in all); otherwise it writes them
+    again from the saved statistics with the actual gradient (four passes, once per change of the
+    gradient). The same arithmetic, c = (w coef) g, either way: the same bits for the same gradient."""
 
     @staticmethod
     def forward(ctx, logits, call):  # type: ignore[override]
@@ -366,17 +353,18 @@ class GrpoLossFunction(torch.autograd.Function):
         inplace = call.inplace_backward
         plan = one_read_plan(logits) if ctx.needs_input_grad[0] and not inplace else None
         if isinstance(plan, one_read_kernel.OneReadPlan):
-            # one read: the cluster kernel writes the loss terms and dlogits (for grad_output 1) now
-            unit_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            # one read: the cluster kernel writes the loss terms and dlogits for the predicted gradient now
+            grad_pred = device_errors.word_for(logits.device).last_grad()
+            forward_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         else:
-            plan, unit_grad = None, None
+            plan, forward_grad, grad_pred = None, None, 1.0
         loss, metrics, per_token, (weights_native, one_read, sums_native) = _forward_kernels(
-            logits, call, plan, unit_grad)
+            logits, call, plan, forward_grad, grad_pred)
         if one_read is not None and weights_native is not None and sums_native is not None:
             _register_forward(call, weights_native, plan, one_read, sums_native)
-        ctx.unit_grad = unit_grad
-        ctx.row_stats = per_token[4:7]
-        ctx.weights = per_token[7]
+        ctx.one_read = plan is not None
+        ctx.forward_grad, ctx.grad_pred = forward_grad, grad_pred
+        ctx.residual = per_token[4:]
         ctx.temperature, ctx.ignore_index, ctx.inplace = call.temperature, call.ignore_index, inplace
         ctx.backward_done = False
         ctx.host_path = one_read is not None  # a common case registers its backward kernel too
@@ -392,20 +380,28 @@ class GrpoLossFunction(torch.autograd.Function):
                                "overwritten by the first one")
         ctx.backward_done = True
         logits, ids = ctx.saved_tensors
-        unit_grad, ctx.unit_grad = ctx.unit_grad, None  # handed out once: autograd may keep it as .grad
         grad_output = grad_loss.reshape(1)
-        grad, native, programs = _dlogits(logits, ids, ctx.weights, ctx.row_stats, grad_output, unit_grad,
-                                          ctx.temperature, ctx.ignore_index, ctx.inplace)
-        if unit_grad is not None and ctx.host_path and native is not None:
-            _register_backward(logits, ids, grad_output, ctx.temperature, ctx.ignore_index, native, programs)
+        if not ctx.one_read:
+            coef, row_max, sumexp, weights = ctx.residual.unbind(0)
+            return _dlogits(logits, ids, weights, (coef, row_max, sumexp), grad_output, ctx.temperature,
+                            ctx.ignore_index, ctx.inplace), None
+        # the forward's rows are handed out once (autograd may keep them as .grad); a second backward
+        # through a retained graph writes fresh ones
+        grad, ctx.forward_grad = ctx.forward_grad, None
+        expected = None if grad is None else ctx.grad_pred
+        if grad is None:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        launched = _write_dlogits(logits, ids, ctx.residual, grad_output, grad, expected, ctx.temperature)
+        if expected is not None and ctx.host_path and launched is not None:
+            _register_backward(logits, launched)
         return grad, None
 
 
 def _forward_kernels(logits: torch.Tensor, call: GrpoLossCall, plan: one_read_kernel.OneReadPlan | None,
-                     unit_grad: torch.Tensor | None):
+                     grad: torch.Tensor | None, grad_pred: float = 1.0):
     """The forward's launches: the reduction weights, then the one-read cluster kernel (``plan``;
-    it writes dlogits for grad_output 1 into ``unit_grad``, or with ``unit_grad=None`` the
-    statistics only) or the two-read statistics kernel, then the metrics and the loss.
+    it writes dlogits for the incoming gradient ``grad_pred`` into ``grad``, or with ``grad=None``
+    the statistics only) or the two-read statistics kernel, then the metrics and the loss.
 
     Returns (loss fp32 [], metrics fp32 [4], per_token fp32 [8, T]: the kernels' rows 0-6 (see
     _grpo_loss_kernel) and the weights in row 7, the host path's (weights, one-read, sums) launches
@@ -422,9 +418,9 @@ def _forward_kernels(logits: torch.Tensor, call: GrpoLossCall, plan: one_read_ke
     one_read = None
     if plan is not None:
         one_read = one_read_kernel.launch(
-            plan, logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
+            plan, logits, grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), old_logp,
             ref_logp, advantages, rollout_logp, weights, per_token, config, float(temperature),
-            ignore_index, kl_type_code(config.kl_type), device_errors.word_for(logits.device).ptr, call_id,
+            ignore_index, kl_type_code(config.kl_type), device_errors.word_for(logits.device).ptr, call_id, grad_pred,
         )
     else:
         block, warps = vocab_block(vocab, logits.dtype, read_only=True)
@@ -448,53 +444,52 @@ def _forward_kernels(logits: torch.Tensor, call: GrpoLossCall, plan: one_read_ke
     return loss, metrics, per_token, (weights_native, one_read, sums_native)
 
 
-def _dlogits(logits, ids, weights, row_stats, grad_output, unit_grad, temperature, ignore_index, inplace):
-    """The backward's dlogits: ``unit_grad`` (the one-read forward's, for grad_output 1) rewritten
-    only where grad_output is not 1, else fresh rows (the logits' buffer when ``inplace``).
-    Returns (dlogits, the kernel's native_launch or None, the grid's cap for ``unit_grad``: one wave)."""
+def _dlogits(logits, ids, weights, row_stats, grad_output, temperature, ignore_index, inplace):
+    """The two-read backward's dlogits: fresh rows (the logits' buffer when ``inplace``)."""
     coef, row_max, sumexp = row_stats
-    if unit_grad is not None:
-        grad = unit_grad  # the forward wrote it for grad_output 1: rewritten only if that is not 1
-    elif inplace:
-        grad = logits.detach()
-    else:
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    grad = logits.detach() if inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
     num_tokens, vocab = logits.shape
     block, warps = vocab_block(vocab, logits.dtype)
-    wave = 0 if unit_grad is None else _one_wave(logits.device, warps)
-    programs = num_tokens if unit_grad is None else min(num_tokens, wave)
-    native = _GRPO_DLOGITS.launch_native(
-        (programs,), logits, grad, ids, weights, coef, grad_output, row_max, sumexp,
-        logits.stride(0), grad.stride(0), vocab, ignore_index, float(temperature), num_tokens,
-        BLOCK_V=block, SCALE=temperature != 1.0, UNLESS_UNIT=unit_grad is not None, num_warps=warps,
+    _GRPO_DLOGITS.launch(
+        (num_tokens,), logits, grad, ids, weights, coef, grad_output, row_max, sumexp,
+        logits.stride(0), grad.stride(0), vocab, ignore_index, float(temperature),
+        BLOCK_V=block, SCALE=temperature != 1.0, num_warps=warps,
     )
-    return grad, native, wave
+    return grad
 
 
-def _second_backward(logits, ids, weights, row_stats, grad_loss, temperature, ignore_index):
+def _write_dlogits(logits, ids, residual, grad_output, grad, expected, temperature):
+    """The one-read backward's dlogits into ``grad`` from the residual (per_token rows 4-7: coef, row
+    max, sum-exp, weights) for grad_output (fp32 [1], read on the device): the write kernel, which
+    returns at once when grad_output is ``expected`` (the gradient the forward wrote ``grad`` for;
+    None: a fresh ``grad``, always written) and stores grad_output in the device's word 3 for the
+    next forward's prediction. Returns the launch (for the host path) or None."""
+    coef, row_max, sumexp, weights = residual.unbind(0)
+    if grad_output.dtype != torch.float32:
+        grad_output = grad_output.to(torch.float32)
+    return one_read_kernel.write_from_stats(
+        logits, grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64), weights, coef, row_max, sumexp,
+        grad_output, float(temperature), expected, device_errors.word_for(logits.device).last_grad_ptr)
+
+
+def _second_backward(logits, ids, residual, grad_loss, temperature):
     """The host path's backward after the first through a retained graph (its node calls this): the
     forward's dlogits were handed out, so fresh rows are written, as GrpoLossFunction's backward does."""
-    return _dlogits(logits, ids, weights, row_stats, grad_loss.reshape(1), None, temperature, ignore_index,
-                    False)[0]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _write_dlogits(logits, ids, residual, grad_loss.reshape(1), grad, None, temperature)
+    return grad
 
 
 def _host_module():
-    """The host path's module when the fast path may run now and it can be built (else None); the
-    first time, it learns the metrics' names and the second backward's function."""
+    """The host path's module when the fast path may run now and it can be built (else None, as
+    while ``_HOST.off()``); the first time, it learns the metrics' names and the second backward's
+    function."""
     if launch.fast_path_now() is None:
         return None
-    module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
-    if module is not None and _host_forward is None:
+    module = _HOST.registry()  # built on the first registration; None (said once) if it cannot be
+    if module is not None and _HOST.forward is None:
         module.configure(METRIC_NAMES, _second_backward)
     return module
-
-
-def _registered(stored, what: str) -> None:
-    global _host_forward
-    if stored is False:
-        raise LaunchKeyError(f"grpo_loss host path: its key for this call's {what} holds another compiled kernel")
-    if stored and _host_forward is None:
-        _host_forward = _HOST.load().forward
 
 
 def _register_forward(call, weights_native, plan, one_read, sums_native) -> None:
@@ -505,27 +500,30 @@ def _register_forward(call, weights_native, plan, one_read, sums_native) -> None
         word = device_errors.word_for(call.logits.device).ptr
         one_read_native = (one_read.handle.value, plan.cluster, plan.slice, one_read_kernel.THREADS,
                            plan.shared_bytes)
-        _registered(module.register_forward(call, weights_native, one_read_native, sums_native, word),
-                    "forward kernels")
+        _HOST.registered(module.register_forward(call, weights_native, one_read_native, sums_native, word),
+                         "this call's forward kernels")
 
 
-def _register_backward(logits, ids, grad_output, temperature, ignore_index, native, programs) -> None:
+def _register_backward(logits, launched: one_read_kernel.WriteLaunch) -> None:
+    """Give the host path the write kernel this backward just launched (under its key: device,
+    dtype and V)."""
     module = _host_module()
     if module is not None:
-        _registered(module.register_backward(logits, ids, grad_output, float(temperature), ignore_index, native,
-                                             programs), "dlogits kernel")
+        write_native = (launched.function, launched.ctas, launched.threads, launched.shared_bytes,
+                        launched.blocks_per_row, launched.block_cols)
+        _HOST.registered(module.register_backward(logits, write_native), "this call's write kernel")
 
 
 def host_path() -> str:
     """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
     ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
-    return _HOST.path_label(_host_forward is not None)
+    return _HOST.path_label()
 
 
 def grpo_loss_call(call: GrpoLossCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """vime's GRPO loss on the fused paths above (composed for GSPO and vocab-parallel TP); the host
     path first."""
-    host_forward = _host_forward
+    host_forward = _HOST.forward
     if host_forward is not None and launch.fast_path_now() is not None and one_read_kernel.enabled():
         out = host_forward(call)
         if out is not None:
@@ -570,16 +568,13 @@ def grpo_loss_dlogits(logits: torch.Tensor, ids: torch.Tensor, residual: torch.T
     """dlogits [T, V] (contiguous, the logits dtype) for the loss gradient ``grad_loss`` (fp32 [] on
     the logits' device, read there: no host sync) from :func:`grpo_loss_stats`'s residual: the
     eager backward's kernels and bits. Two reads: the dlogits kernel with grad_output folded in.
-    One read: the cluster kernel's write sweep from the saved statistics (the eager forward's
-    dlogits for grad_output 1, bit for bit), then the dlogits kernel's rewrite where grad_output
-    is not 1, as the eager backward does."""
-    coef, row_max, sumexp, weights = residual.contiguous().unbind(0)
+    One read: the write kernel from the saved statistics with the gradient folded in (the eager
+    call's dlogits for that gradient, bit for bit), into a fresh buffer."""
+    residual = residual.contiguous()
     grad_output = grad_loss.to(torch.float32).reshape(1)
-    plan = one_read_plan(logits)
-    unit_grad = None
-    if isinstance(plan, one_read_kernel.OneReadPlan):
-        unit_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        one_read_kernel.write_from_stats(logits, unit_grad, ids if ids.dtype == torch.int64 else ids.to(torch.int64),
-                                         weights, coef, row_max, sumexp, grad_output, float(temperature))
-    return _dlogits(logits, ids, weights, (coef, row_max, sumexp), grad_output, unit_grad, temperature,
-                    ignore_index, False)[0]
+    if isinstance(one_read_plan(logits), one_read_kernel.OneReadPlan):
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        _write_dlogits(logits, ids, residual, grad_output, grad, None, temperature)
+        return grad
+    coef, row_max, sumexp, weights = residual.unbind(0)
+    return _dlogits(logits, ids, weights, (coef, row_max, sumexp), grad_output, temperature, ignore_index, False)

@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels import launch
 from kernels.contracts import KL_TYPES, RatioKLCall
 from kernels.contracts.checks import check_kl_type
-from kernels.launch import I32_MAX, CachedLaunch, LaunchKeyError
+from kernels.launch import I32_MAX, CachedLaunch
 from kernels.ops.host import HostModule
 
 ELEMENTWISE_BLOCK = 1024
@@ -108,7 +108,6 @@ def _grid(n: int) -> tuple[int]:
 _FWD = CachedLaunch(_ratio_kl_fwd_kernel)
 _BWD = CachedLaunch(_ratio_kl_bwd_kernel)
 _HOST = HostModule("ratio_kl_forward")
-_host_forward = None  # the host path's forward, once it holds a kernel (see _register_host)
 
 
 def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
@@ -141,29 +140,23 @@ def _register_host(cache_key: tuple, logp, old_logp, ref_logp, mask, kl_code, un
     """Give the host path the kernel these inputs just launched (kept under the host path's own
     key, which must tell apart what Triton specializes: LaunchKeyError if it maps two kernels
     onto one key; every keyed call checks that under RLK_VERIFY_LAUNCH_KEYS=1)."""
-    global _host_forward
     native = _FWD.native_launch(cache_key)  # a compiled (so CUDA) kernel, or None
     if native is None:
         return
-    module = _HOST.load()  # built on the first registration; None (said once) if it cannot be
+    module = _HOST.registry()  # built on the first registration; None (said once) if it cannot be
     if module is None:
         return
     function, threads, shared, params = native
     stored = module.register(logp, old_logp, ref_logp, mask, kl_code, unbiased, cache_key[0], function,
                              ELEMENTWISE_BLOCK, threads, shared, params)
-    if stored is False:
-        raise LaunchKeyError(
-            f"ratio_kl host path: its key for this call (T={logp.shape[0]}, dtypes {old_logp.dtype}/"
-            f"{ref_logp.dtype}/{mask.dtype}) holds another compiled kernel than {cache_key[1]!r}"
-        )
-    if stored:
-        _host_forward = module.forward
+    _HOST.registered(stored, f"this call's kernel {cache_key[1]!r} (T={logp.shape[0]}, dtypes "
+                             f"{old_logp.dtype}/{ref_logp.dtype}/{mask.dtype})")
 
 
 def host_path() -> str:
     """Which path no-grad calls take now: ``c++`` (the host path holds a kernel), or ``python``
     and why not (for benchmark tags)."""
-    return _HOST.path_label(_host_forward is not None)
+    return _HOST.path_label()
 
 
 class RatioKLFunction(torch.autograd.Function):
@@ -195,7 +188,7 @@ def ratio_kl_backward(logp, old_logp, ref_logp, mask, g_ratio, g_kl, kl_code: in
 
 def _host_path(logp, old_logp, ref_logp, mask, code: int, unbiased: bool):
     """(ratio, kl) from the C++ host path, or None where it declines (or holds no kernel yet)."""
-    host_forward = _host_forward
+    host_forward = _HOST.forward
     if host_forward is None:
         return None
     runtime = launch.fast_path_now()

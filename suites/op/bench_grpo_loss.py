@@ -12,8 +12,10 @@ backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNE
 ``compiled_ops`` the public call under ``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py);
 ``*_scaled_grad`` the same calls with the loss scaled before the backward, as vime's
 ``loss_function`` scales it for Megatron (``loss * num_microbatches / global_batch_size * dp_size``,
-here 8 / 256): in a training step the gradient reaching the op is not 1, so the one-read path's
-backward rewrites the rows from the logits (and Liger's scales its stored gradient).
+here 8 / 256): in a training step the gradient reaching the op is not 1. The one-read forward writes
+dlogits for the gradient the last backward met, so the timed calls (after ``do_bench``'s warm-up,
+whose first backward is a miss) are the steady state of a training loop (Liger's scales its stored
+gradient).
 """
 
 from __future__ import annotations

@@ -134,11 +134,7 @@ def test_bench_logp_small_launch_bound_forward_backward(rlk_metrics, num_tokens)
 def _record_python_path_host_us(rlk_metrics, fn, tags) -> None:
     """``python_path_host_us`` (not gated): ``fn``'s host time per call with the C++ host path off
     and nothing registered meanwhile (which would turn it back on)."""
-    host_forward, registered = logp_op._host_forward, logp_op._registered
-    logp_op._host_forward, logp_op._registered = None, lambda *args: None
-    try:
+    with logp_op._HOST.off():
         medians = host_overhead_blocks_us(fn)
-    finally:
-        logp_op._host_forward, logp_op._registered = host_forward, registered
     rlk_metrics.record("python_path_host_us", min(medians), unit="us", direction="lower_is_better", space="time",
                        tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in medians)}, gate=False)

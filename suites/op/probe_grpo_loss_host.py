@@ -15,6 +15,7 @@ public fwd+bwd on the host path (the Python left in it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -80,7 +81,6 @@ def main() -> None:
     results: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                   "shape": "64x151936 bf16", "host_path": grpo_loss_op.host_path()}
     module = grpo_loss_op._HOST.load()
-    host_forward = grpo_loss_op._host_forward
     x = torch.zeros(64, device="cuda", requires_grad=True)
     call = GrpoLossCall(logits, ids, config=CONFIG, **kw)
     probes = {
@@ -90,22 +90,16 @@ def main() -> None:
     }
     # the host's speed comes in regimes that last seconds: the paths take turns, block by block, and
     # each figure is its lowest block
-    registrations = grpo_loss_op._register_forward, grpo_loss_op._register_backward
     for _ in range(blocks):
         for path in ("c++", "python"):
             # the Python path alone: no host path, and no registration (which would turn it back on)
-            python = path == "python"
-            grpo_loss_op._host_forward = None if python else host_forward
-            grpo_loss_op._register_forward, grpo_loss_op._register_backward = (
-                (lambda *a: None, lambda *a: None) if python else registrations)
-            before = module.served()
-            for name, probe in probes.items():
-                key = f"{path}_{name}"
-                results[key] = min(results.get(key, float("inf")), probe())
-            served_here = f"{path}_blocks_served_by_cpp"
-            results[served_here] = results.get(served_here, 0) + module.served() - before
-        grpo_loss_op._host_forward = host_forward
-        grpo_loss_op._register_forward, grpo_loss_op._register_backward = registrations
+            with grpo_loss_op._HOST.off() if path == "python" else contextlib.nullcontext():
+                before = module.served()
+                for name, probe in probes.items():
+                    key = f"{path}_{name}"
+                    results[key] = min(results.get(key, float("inf")), probe())
+                served_here = f"{path}_blocks_served_by_cpp"
+                results[served_here] = results.get(served_here, 0) + module.served() - before
         for key, fn in (("floor_autograd_grad_us", lambda: torch.autograd.grad((x * 2).sum(), x)),
                         ("floor_empty_us", lambda: torch.empty(64, device="cuda")),
                         ("contract_us", lambda: GrpoLossCall(logits, ids, config=CONFIG, **kw)),

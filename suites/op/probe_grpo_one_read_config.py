@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -179,14 +180,12 @@ def resource_usage(names: list[str]) -> None:
                 print(f"[res {name}] {line.split()[-1]} {lines[i + 1].strip()}", flush=True)
 
 
-def _python_path_only() -> None:
-    """The op's Python path: the C++ host path registers one kernel per key and would refuse a
-    second variant under the same key (probe_grpo_loss_host.py does the same)."""
+def _python_path_only() -> contextlib.AbstractContextManager[None]:
+    """The op's Python path while inside: the C++ host path registers one kernel per key and would
+    refuse a second variant under the same key (probe_grpo_loss_host.py does the same)."""
     from kernels.ops import grpo_loss as grpo_loss_op
 
-    grpo_loss_op._host_forward = None
-    grpo_loss_op._register_forward = lambda *a: None
-    grpo_loss_op._register_backward = lambda *a: None
+    return grpo_loss_op._HOST.off()
 
 
 class Workload:
@@ -251,7 +250,6 @@ def compare(actual: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Te
 
 
 def probe(names: list[str], dtypes: list[str], rounds: int) -> dict:
-    _python_path_only()
     from rlk_bench import graph_replay_ms, hbm_bytes_per_s
 
     from pytest_rlk import timing
@@ -429,7 +427,8 @@ def main() -> None:
     dropped.update(smoke([n for n in names if n != "default" and n not in dropped], args.dtypes.split(",")))
     if "default" in dropped:
         raise SystemExit(f"the default variant does not build: {dropped['default']}")
-    results = probe([n for n in names if n not in dropped], args.dtypes.split(","), args.rounds)
+    with _python_path_only():
+        results = probe([n for n in names if n not in dropped], args.dtypes.split(","), args.rounds)
     results["build_s"] = built
     results["dropped"] = dropped
     (args.out / "probe.json").write_text(json.dumps(results, indent=1))

@@ -185,6 +185,22 @@ def test_reference_backend_checks_device_values_on_the_host(kernels_off, deferre
         kernels.logp(_logits(), ids)
 
 
+@pytest.mark.parametrize("g", [1.0, 8 / 256, 0.37, 2.5, 0.0, -0.0, -1.0, float("inf"), 1e-40])
+def test_word_3_holds_the_last_gradient_and_reads_1_untouched(g):
+    """Word 3 (not a report) holds grpo_loss's last incoming gradient as fp32 bits XOR bits(1.0):
+    a fresh word reads 1.0, every fp32 value (signed zeros and subnormals too) comes back with its
+    bits, and taking a report leaves it alone."""
+    word = device_errors.ErrorWord(torch.device("cpu"))
+    assert word.view[device_errors.LAST_GRAD] == 0 and word.last_grad() == 1.0
+    fp32 = torch.tensor(g, dtype=torch.float32)
+    word.view[device_errors.LAST_GRAD] = device_errors.encode_grad(g)
+    assert torch.equal(torch.tensor(word.last_grad(), dtype=torch.float32).view(torch.int32), fp32.view(torch.int32))
+    assert (word.view[device_errors.LAST_GRAD] == 0) == (g == 1.0)
+    word.view[0], word.view[1], word.view[2] = 16 + device_errors.INPUT_TARGET_IDS, 5, 7
+    assert word.take() is not None
+    assert word.view[0] == 0 and word.last_grad() == fp32.item()
+
+
 def test_check_mode_setting_parses(monkeypatch):
     from kernels import settings
 
@@ -256,3 +272,11 @@ def test_a_bad_id_on_the_gpu_surfaces_at_raise_pending_errors(triton_strict):
     error = _expect_report(r"kernels\.grpo_loss call #\d+ \(logits \[256, 32000\]\) on cuda:\d: "
                            r"target_ids has an id outside \[0, 32000\).*target_ids\[17\] = 32000")
     assert error.input == "target_ids"
+
+
+@gpu_only
+def test_cuda_without_an_index_is_the_current_devices_word():
+    """A word is per device: ``cuda`` and ``cuda:<current>`` must name one word, or a report (and
+    the last gradient) written through one would be missed through the other."""
+    current = torch.device("cuda", torch.cuda.current_device())
+    assert device_errors.word_for(torch.device("cuda")) is device_errors.word_for(current)

@@ -184,6 +184,38 @@ def test_grpo_loss_forward_only_matches(triton_strict):
     assert all(torch.equal(metrics_a[k], metrics_b[k]) for k in METRIC_NAMES)
 
 
+def test_the_one_read_forward_writes_for_the_last_gradient(triton_strict, monkeypatch):
+    """The one-read dispatch (no GPU needed: the CUDA launches recorded, not run): the forward hands
+    the cluster kernel the gradient word 3 holds (the last backward's, kernels/device_errors.py) and
+    its buffer; the backward hands the write kernel that buffer with that gradient as the expected
+    one and the actual gradient as a tensor (compared on the device); a second backward through the
+    retained graph gets a fresh buffer, written whatever the gradient."""
+    from kernels import device_errors
+    from kernels.ops import grpo_loss as op
+    from kernels.ops.cuda import grpo_loss_one_read as one_read
+
+    launches, writes = [], []
+    plan = one_read.OneReadPlan("grpo_one_read_fp32_c1", 1, 1032, 4128)
+    monkeypatch.setattr(op, "one_read_plan", lambda logits: plan)
+    monkeypatch.setattr(one_read, "launch", lambda *a: launches.append(a) or None)
+    monkeypatch.setattr(one_read, "write_from_stats", lambda *a: writes.append(a) or None)
+    inputs = loss_inputs(T_SMALL, V_SMALL, torch.float32, seed=5, lengths=LENGTHS)
+    leaf = inputs.pop("logits").requires_grad_()
+    word = device_errors.word_for(leaf.device)
+    word.view[device_errors.LAST_GRAD] = device_errors.encode_grad(0.25)
+    loss, _ = kernels.grpo_loss(leaf, **inputs)
+    (launch,) = launches
+    forward_grad, grad_pred = launch[2], launch[-1]
+    assert grad_pred == 0.25 and forward_grad.shape == leaf.shape
+    (first,) = torch.autograd.grad(loss * 0.5, leaf, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, leaf)
+    (write_first, write_second) = writes
+    assert first is forward_grad and write_first[1] is forward_grad and write_first[-2] == 0.25
+    assert float(write_first[7]) == 0.5 and write_first[-1] == word.last_grad_ptr
+    assert second is write_second[1] and second is not forward_grad and write_second[-2] is None
+    assert float(write_second[7]) == 1.0
+
+
 def test_grpo_loss_second_backward_recomputes_or_raises_when_inplace(triton_strict):
     """A second backward through a retained graph gives the same gradient again (the backward
     reads the saved logits); with inplace_backward the first backward overwrote them: it raises."""
@@ -277,6 +309,49 @@ def test_grpo_loss_one_read_agrees_with_two_read(triton_strict, monkeypatch, dty
     tolerances.assert_close(g1, g0, "grpo_loss.grad", DTYPES[dtype_name], name="dlogits one-read vs two-read")
     tolerances.assert_close(h1, h0, "grpo_loss.grad", DTYPES[dtype_name], name="second backward, grad_output 0.75")
     assert g1.data_ptr() != h1.data_ptr()  # the forward's buffer is handed out once
+
+
+# a training loop's gradients: 1 (a plain backward), vime's 8 / 256 twice (a miss, then the steady
+# state), 0.37 twice, then 1 again
+GRAD_SEQUENCE = (1.0, 8 / 256, 8 / 256, 0.37, 0.37, 1.0)
+PREDICTED_CASES = [("bf16", 151936, 1.0), ("fp32", 151936, 0.7), ("fp16", 1032, 1.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype_name", "vocab", "temperature"), PREDICTED_CASES,
+                         ids=[f"{d}-V{v}-T{t}" for d, v, t in PREDICTED_CASES])
+def test_grpo_loss_one_read_writes_dlogits_for_the_last_gradient(triton_strict, dtype_name, vocab, temperature):
+    """Each forward writes dlogits for the gradient the last backward met (kernels/device_errors.py,
+    word 3, which the backward stores); over a training loop's gradients (hits and misses) dlogits
+    match the reference, and are bitwise the rows a second backward writes afresh for the same
+    gradient (the write kernel from the saved statistics, whatever the prediction)."""
+    from kernels import device_errors
+
+    _require_one_read(dtype_name, vocab)
+    dtype, num_tokens = DTYPES[dtype_name], 256
+    config = CONFIGS["asym_lowvar"]
+    inputs = loss_inputs(num_tokens, vocab, dtype, seed=3, lengths=[num_tokens // 4] * 4, ignore_every=7)
+    word = device_errors.word_for(inputs["logits"].device)
+    previous = 1.0
+    for g in GRAD_SEQUENCE:
+        assert word.last_grad() == previous  # the prediction this forward makes
+        loss, _, grad = _run(kernels.grpo_loss, inputs, config, temperature, None, grad_scale=g)
+        torch.cuda.synchronize()
+        previous = torch.tensor(g, dtype=torch.float32).item()
+        assert word.last_grad() == previous  # stored by the backward for the next forward
+        leaf = inputs["logits"].detach().clone().requires_grad_()
+        again, _ = kernels.grpo_loss(leaf, **{k: v for k, v in inputs.items() if k != "logits"}, config=config,
+                                     temperature=temperature)
+        torch.autograd.grad(again, leaf, torch.tensor(g, device=DEVICE), retain_graph=True)  # a hit
+        (fresh,) = torch.autograd.grad(again, leaf, torch.tensor(g, device=DEVICE))
+        assert torch.equal(grad, fresh), f"incoming gradient {g}: the forward's rows differ from a fresh write"
+        ref_loss, _, ref_grad = _run(reference_grpo_loss, inputs, config, temperature, dtype, grad_scale=g)
+        upstream = loss_upstream_grad(inputs["logits"], inputs["target_ids"], _loss_kwargs(inputs), config,
+                                      temperature, g)
+        tolerances.assert_close(grad, ref_grad, "grpo_loss.grad", dtype, name=f"dlogits, gradient {g}",
+                                upstream=upstream)
+        tolerances.assert_close(loss, ref_loss, "grpo_loss", dtype, name="loss")
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])

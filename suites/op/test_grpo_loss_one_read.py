@@ -62,13 +62,25 @@ def test_flag_bits_match_the_cuda_source():
         "FLAG_SCALE": one_read.FLAG_SCALE, "FLAG_HAS_REF": one_read.FLAG_HAS_REF,
         "FLAG_UNBIASED": one_read.FLAG_UNBIASED, "FLAG_DUAL_CLIP": one_read.FLAG_DUAL_CLIP,
         "FLAG_TIS": one_read.FLAG_TIS, "FLAG_STATS_ONLY": one_read.FLAG_STATS_ONLY,
-        "KL_TYPE_SHIFT": one_read.KL_TYPE_SHIFT,
+        "FLAG_WRITE_ALWAYS": one_read.FLAG_WRITE_ALWAYS, "KL_TYPE_SHIFT": one_read.KL_TYPE_SHIFT,
     }
     config = LossConfig(eps_clip_c=2.0, use_tis=True, use_unbiased_kl=True, kl_type="low_var_kl")
     flags = one_read.flags_for(config, scale=True, has_ref=True, kl_code=3)
     assert flags == (3 << 8) | 1 | 2 | 4 | 8 | 16
     assert not flags & one_read.FLAG_STATS_ONLY  # only a stats-only launch sets it
     assert one_read.flags_for(LossConfig(), scale=False, has_ref=False, kl_code=0) == 0
+
+
+def test_the_last_gradient_encoding_is_the_same_in_every_source():
+    """Word 3 of the error word holds bits(g) XOR bits(1.0f): the write kernel stores it, the Python
+    path and the C++ host path decode it (kernels/device_errors.py states the encoding)."""
+    from kernels import device_errors
+
+    host_source = (one_read.SOURCE.parent.parent / "host" / "grpo_loss_one_read.cpp").read_text()
+    assert int(re.search(r"#define FP32_ONE_BITS (0x[0-9a-f]+)u", SOURCE_TEXT).group(1), 16) == 0x3F800000
+    assert int(re.search(r"kOneBits = (0x[0-9a-f]+)u;", host_source).group(1), 16) == 0x3F800000
+    assert re.search(r"kLastGrad = (\d+);", host_source).group(1) == str(device_errors.LAST_GRAD)
+    assert device_errors.FP32_ONE_BITS == 0x3F800000 and device_errors.encode_grad(1.0) == 0
 
 
 @pytest.mark.parametrize(("macro", "signature"), [("RLK_DEFINE(NAME, T, C)", one_read.SIGNATURE),

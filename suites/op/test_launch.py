@@ -9,6 +9,7 @@ other arguments.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -668,9 +669,9 @@ def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
     ids = make_ids(64, 151936, ignore_every=5)
     inputs = _ratio_inputs(3000)
     ops = (logp_op._FWD, ratio_kl_op._FWD)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as host_paths_off:
         _op_calls(logits, ids, inputs)  # first calls: Triton's launch, direct launches stored
-        monkeypatch.setattr(logp_op, "_host_forward", None)  # the direct launches, not the host path
+        host_paths_off.enter_context(logp_op._HOST.off())  # the direct launches, not the host path
         counters = {}
         for op in ops:
             counters[op] = counting = _CountingKernel(op.kernel)
@@ -687,7 +688,7 @@ def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
         assert launch.disabled_reason() is None
         for op in ops:
             monkeypatch.setattr(op, "_compiled", False)  # Triton's own launch from here on
-        monkeypatch.setattr(ratio_kl_op, "_host_forward", None)  # and no host path (test_host_path.py)
+        host_paths_off.enter_context(ratio_kl_op._HOST.off())  # and no host path (test_host_path.py)
         normal = _op_calls(logits, ids, inputs)
     for i, (a, b) in enumerate(zip(fast, normal)):
         assert torch.equal(a, b), f"output {i} differs"

@@ -297,9 +297,12 @@ ONE_READ_CASES = [(torch.bfloat16, 1032, 0.9), (torch.float32, 1032, 1.0), (torc
                          ids=[f"{str(d)[6:]}-V{v}-T{t}" for d, v, t in ONE_READ_CASES])
 def test_grpo_loss_one_read_compiled_equals_eager(dtype, vocab, temperature, monkeypatch):
     """On the one-read path (the forward operator runs the cluster kernel for its statistics only, the
-    backward writes dlogits from them, kernels/library/grpo_loss.py): compiled == eager bitwise for
-    incoming gradients 1 and 0.37, the write kernel launched by each compiled backward; opcheck of
-    both operators on the largest rows."""
+    backward writes dlogits from them for the gradient it reads on the device,
+    kernels/library/grpo_loss.py): compiled == eager bitwise for a training loop's incoming
+    gradients (1, vime's 8 / 256, 0.37), the eager call once with a stale prediction (the forward
+    writes dlogits for the previous gradient: a miss, rewritten in the backward) and once with the
+    right one (a hit), the write kernel launched by each compiled backward; opcheck of both
+    operators on the largest rows."""
     from kernels.ops.cuda import grpo_loss_one_read
 
     for name in SWITCHES:
@@ -315,13 +318,15 @@ def test_grpo_loss_one_read_compiled_equals_eager(dtype, vocab, temperature, mon
     monkeypatch.setattr(grpo_loss_one_read, "write_from_stats", lambda *a: writes.append(1) or write_from_stats(*a))
     compiled = torch.compile(kernels.grpo_loss, fullgraph=True)
     try:
-        for grad_loss in (1.0, 0.37):
-            eager = _grpo_loss_grads(kernels.grpo_loss, x, grad_loss, temperature=temperature)
+        for grad_loss in (1.0, 8 / 256, 0.37):
+            eager = _grpo_loss_grads(kernels.grpo_loss, x, grad_loss, temperature=temperature)  # a miss (but 1.0)
+            eager_hit = _grpo_loss_grads(kernels.grpo_loss, x, grad_loss, temperature=temperature)
             writes.clear()
             got = _grpo_loss_grads(compiled, x, grad_loss, temperature=temperature)
             assert writes == [1], "the compiled backward did not take the one-read write kernel"
-            assert_bitwise(eager[0], got[0])
-            assert_bitwise(eager[1], got[1])
+            for other in (eager_hit, got):
+                assert_bitwise(eager[0], other[0])
+                assert_bitwise(eager[1], other[1])
     finally:
         torch._dynamo.reset()
     if vocab > 100000 and dtype == torch.float32:

@@ -10,13 +10,16 @@
 //      and combines them in a fixed tree order (the same in every CTA, so all C get bit-identical
 //      row statistics), and forms logp, the token's loss terms and c = dL/dlogp;
 //   3. each CTA writes dlogits = c * (onehot - exp(z - m) / S) [/ temperature] for its slice
-//      from the copy still in shared memory, in the logits dtype (one rounding).
+//      from the copy still in shared memory, in the logits dtype (one rounding), with the loss's
+//      gradient folded into c: the caller's prediction of it (grad_pred, see below).
 // HBM traffic: the logits read once, dlogits written once, a few [T] vectors.
 //
 // The loss math is the Triton kernel's (kernels/ops/grpo_loss.py: token_pg_and_grad,
 // kernels/ops/ratio_kl.py: kl_value_and_grad), statement for statement; so are the softmax
 // gradient's rounding order (kernels/ops/logp.py: row_write_grad) and the outputs' layout.
-// dlogits is written for grad_output == 1; the caller rescales (exactly) when it is not.
+// dlogits is written for the incoming gradient grad_pred, the caller's prediction (the last backward's
+// gradient, kernels/device_errors.py); the backward's grpo_write_from_stats_* rewrites the rows from
+// the saved statistics when the actual gradient differs (same arithmetic: the same bits).
 //
 // Requirements checked by the caller (kernels/ops/cuda/grpo_loss_one_read.py): logits and dlogits
 // rows 16-byte aligned (data pointer, row stride and V * itemsize), ids int64, [T] inputs fp32
@@ -58,6 +61,7 @@ namespace cg = cooperative_groups;
 #define FLAG_DUAL_CLIP 8  // dual clip with eps_c
 #define FLAG_TIS 16       // truncated importance sampling weight
 #define FLAG_STATS_ONLY 32  // per_token only, no dlogits (grpo_write_from_stats_* writes them later)
+#define FLAG_WRITE_ALWAYS 64  // grpo_write_from_stats_*: write whatever the gradient (no dlogits to keep)
 #define KL_TYPE_SHIFT 8   // bits 8..9: 0 k1, 1 k2, 2 k3, 3 low_var_kl
 
 template <typename T> struct Vec;
@@ -407,7 +411,7 @@ __device__ __forceinline__ void grpo_one_read(
     const float* __restrict__ rollout_logp, const float* __restrict__ weights, float* __restrict__ per_token,
     int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index,
     float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high, float kl_coef,
-    int flags, int64_t* __restrict__ error_word, int64_t call_id) {
+    float grad_pred, int flags, int64_t* __restrict__ error_word, int64_t call_id) {
     constexpr int VEC = Vec<T>::N;
     constexpr int WARPS = RLK_THREADS / 32;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -560,9 +564,10 @@ __device__ __forceinline__ void grpo_one_read(
                 per_token[5 * static_cast<int64_t>(num_tokens) + row] = rm;
                 per_token[6 * static_cast<int64_t>(num_tokens) + row] = rs;
             }
-            // c = w * coef, the backward's row gradient for grad_output 1; then the softmax gradient's
-            // order of operations (row_write_grad): c [/ T], c / S, onehot * c - exp(z - m) * (c / S)
-            float c = w * coef;
+            // c = (w * coef) * grad_pred, the backward's row gradient for the predicted incoming
+            // gradient (x * 1 is exact); then the softmax gradient's order of operations
+            // (row_write_grad): c [/ T], c / S, onehot * c - exp(z - m) * (c / S)
+            float c = (w * coef) * grad_pred;
             if (scale) c = __fdiv_rn(c, temperature);
             coef_smem[0] = c;
             coef_smem[1] = __fdiv_rn(c, rs);
@@ -595,11 +600,11 @@ __device__ __forceinline__ void grpo_one_read(
         const float* adv, const float* rollout_logp, const float* weights, float* per_token,              \
         int64_t stride_row, int64_t stride_grad, int num_tokens, int vocab, int slice, int64_t ignore_index, \
         float temperature, float eps_low, float eps_high, float eps_c, float tis_low, float tis_high,     \
-        float kl_coef, int flags, int64_t* error_word, int64_t call_id) {                              \
+        float kl_coef, float grad_pred, int flags, int64_t* error_word, int64_t call_id) {              \
         grpo_one_read<T, C>(logits, grad, ids, old_logp, ref_logp, adv, rollout_logp, weights, per_token, \
                             stride_row, stride_grad, num_tokens, vocab, slice, ignore_index, temperature, \
-                            eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, flags, error_word,      \
-                            call_id);                                                                     \
+                            eps_low, eps_high, eps_c, tis_low, tis_high, kl_coef, grad_pred, flags,       \
+                            error_word, call_id);                                                         \
     }
 
 #define RLK_DEFINE_DTYPE(SUFFIX, T)                 \
@@ -612,60 +617,94 @@ RLK_DEFINE_DTYPE(fp32, float)
 RLK_DEFINE_DTYPE(bf16, __nv_bfloat16)
 RLK_DEFINE_DTYPE(fp16, __half)
 
-// dlogits for grad_output == 1 from the statistics a FLAG_STATS_ONLY launch saved (per_token rows
-// 4-6: coef, row max, sum-exp; the reduction weights): the cluster kernel's write sweep, bit for
-// bit. CTA b owns row b / blocks_per_row, columns [(b % blocks_per_row) * block_cols, + block_cols)
-// (block_cols * sizeof(T) bytes of dynamic shared memory): it copies them into shared memory at
-// once (cp.async: every piece in flight together, while the row's statistics load), then runs
-// write_slice on the copy and writes the target's element with the one-hot term, as the cluster
-// kernel does on its slice. grad_output is read on the device first: when it is not exactly 1 the
-// CTA returns before reading anything else, and the caller's rewrite (the Triton dlogits kernel,
-// UNLESS_UNIT) writes the rows.
+// The backward's dlogits from the statistics the cluster kernel saved (per_token rows 4-6: coef, row
+// max, sum-exp; the reduction weights): its write sweep with c = (w * coef) * g, where g is the loss's
+// incoming gradient, read here on the device (no host sync): bit for bit what the cluster kernel
+// writes for grad_pred == g. `expected` is the gradient the forward wrote `grad` for (its grad_pred):
+// when g has exactly its bits, `grad` already holds dlogits and every CTA returns at once; with
+// FLAG_WRITE_ALWAYS (a fresh `grad`: the compiled operators' backward, a second backward through a
+// retained graph) the rows are written for any g. First, thread 0 of CTA 0 stores g at `last_grad`
+// (the error word's word 3, kernels/device_errors.py: bits(g) XOR bits(1.0f), so that an untouched
+// word reads as 1.0): the next forward's prediction.
+// Each row is cut into blocks_per_row blocks of block_cols columns; CTA b takes blocks b, b + gridDim.x,
+// ... of the num_rows * blocks_per_row: the caller launches about one wave of CTAs when it expects
+// the forward's rows (a CTA per block that only returns would cost measurable time at large T), a CTA
+// per block with FLAG_WRITE_ALWAYS. A CTA copies its next block into its second buffer (cp.async;
+// 2 * block_cols * sizeof(T) bytes of dynamic shared memory) while it writes the current one from
+// shared memory with write_dlogits (the target's one-hot term included), as the cluster kernel does
+// on its slice.
 #ifndef RLK_WRITE_MIN_CTAS
 #define RLK_WRITE_MIN_CTAS 3  // registers for three CTAs of RLK_THREADS per multiprocessor
 #endif
+#define FP32_ONE_BITS 0x3f800000u
+
+// this thread's 16-byte pieces of block `block` (the ones write_dlogits has it read later), queued
+template <typename T>
+__device__ __forceinline__ void copy_block(T* dst, const T* logits, int64_t stride_row, int vocab, int64_t block,
+                                           int blocks_per_row, int block_cols) {
+    constexpr int VEC = Vec<T>::N;
+    const int64_t row = block / blocks_per_row;
+    const int col0 = static_cast<int>(block % blocks_per_row) * block_cols;
+    const int ncols = max(0, min(vocab - col0, block_cols));
+    const T* src = logits + row * stride_row + col0;
+    for (int p = threadIdx.x; p * VEC < ncols; p += RLK_THREADS) {
+        const int bytes = min(VEC, ncols - p * VEC) * static_cast<int>(sizeof(T));
+        cp_async_16(dst + p * VEC, src + p * VEC, bytes);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void grpo_write_from_stats(
     const T* __restrict__ logits, T* __restrict__ grad, const int64_t* __restrict__ ids,
     const float* __restrict__ weights, const float* __restrict__ coef, const float* __restrict__ row_max_in,
-    const float* __restrict__ sumexp, const float* __restrict__ grad_output, int64_t stride_row,
-    int64_t stride_grad, int vocab, int blocks_per_row, int block_cols, float temperature, int flags) {
+    const float* __restrict__ sumexp, const float* __restrict__ grad_output, int64_t* __restrict__ last_grad,
+    int64_t stride_row, int64_t stride_grad, int num_rows, int vocab, int blocks_per_row, int block_cols,
+    float temperature, float expected, int flags) {
     constexpr int VEC = Vec<T>::N;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sblock = reinterpret_cast<T*>(smem_raw);
-    if (*grad_output != 1.0f) return;
-    const int64_t row = blockIdx.x / blocks_per_row;
-    const int col0 = (blockIdx.x % blocks_per_row) * block_cols;
-    const int ncols = max(0, min(vocab - col0, block_cols));
-    const int npieces = (ncols + VEC - 1) / VEC;
-    const int tid = threadIdx.x;
-    const T* src = logits + row * stride_row + col0;
-    // a thread copies exactly the pieces write_slice has it read later: its own wait is enough
-    for (int p = tid; p < npieces; p += RLK_THREADS) {
-        const int bytes = min(VEC, ncols - p * VEC) * static_cast<int>(sizeof(T));
-        cp_async_16(sblock + p * VEC, src + p * VEC, bytes);
-    }
-    cp_async_commit();
+    T* sbase = reinterpret_cast<T*>(smem_raw);
+    const float g = *grad_output;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *last_grad = static_cast<int64_t>(__float_as_uint(g) ^ FP32_ONE_BITS);
+    if (!(flags & FLAG_WRITE_ALWAYS) && __float_as_uint(g) == __float_as_uint(expected)) return;
+    const int64_t blocks = static_cast<int64_t>(num_rows) * blocks_per_row;
+    int64_t b = blockIdx.x;
+    if (b >= blocks) return;
     const bool scale = flags & FLAG_SCALE;
-    // the cluster kernel's c and c / S: c = w * coef [/ T], one IEEE division each
-    float c = weights[row] * coef[row];
-    if (scale) c = __fdiv_rn(c, temperature);
-    const float c_over_s = __fdiv_rn(c, sumexp[row]);
-    const float row_max = row_max_in[row];
-    const int64_t local_target = ids[row] - col0;
-    cp_async_wait<0>();
-    write_dlogits(sblock, grad + row * stride_grad + col0, npieces, ncols, scale, temperature, row_max, c, c_over_s,
-                  local_target);
+    copy_block(sbase, logits, stride_row, vocab, b, blocks_per_row, block_cols);
+    cp_async_commit();
+    for (int i = 0; b < blocks; ++i, b += gridDim.x) {
+        // the other buffer's last reads (the previous block) are done in every thread before it is refilled
+        __syncthreads();
+        const int64_t next = b + gridDim.x;
+        if (next < blocks) {
+            copy_block(sbase + ((i + 1) & 1) * block_cols, logits, stride_row, vocab, next, blocks_per_row,
+                       block_cols);
+        }
+        cp_async_commit();  // one group per step (maybe empty): waiting for all but one leaves only `next` in flight
+        const int64_t row = b / blocks_per_row;
+        const int col0 = static_cast<int>(b % blocks_per_row) * block_cols;
+        const int ncols = max(0, min(vocab - col0, block_cols));
+        // the cluster kernel's c and c / S: c = (w * coef) * g [/ T], one IEEE division each
+        float c = (weights[row] * coef[row]) * g;
+        if (scale) c = __fdiv_rn(c, temperature);
+        const float c_over_s = __fdiv_rn(c, sumexp[row]);
+        const float row_max = row_max_in[row];
+        const int64_t local_target = ids[row] - col0;
+        cp_async_wait<1>();
+        write_dlogits(sbase + (i & 1) * block_cols, grad + row * stride_grad + col0, (ncols + VEC - 1) / VEC, ncols,
+                      scale, temperature, row_max, c, c_over_s, local_target);
+    }
 }
 
 #define RLK_DEFINE_WRITE(NAME, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(RLK_THREADS, RLK_WRITE_MIN_CTAS) NAME(                    \
         const T* logits, T* grad, const int64_t* ids, const float* weights, const float* coef,            \
-        const float* row_max, const float* sumexp, const float* grad_output, int64_t stride_row,          \
-        int64_t stride_grad, int vocab, int blocks_per_row, int block_cols, float temperature, int flags) { \
-        grpo_write_from_stats<T>(logits, grad, ids, weights, coef, row_max, sumexp, grad_output,          \
-                                 stride_row, stride_grad, vocab, blocks_per_row, block_cols, temperature, \
-                                 flags);                                                                   \
+        const float* row_max, const float* sumexp, const float* grad_output, int64_t* last_grad,          \
+        int64_t stride_row, int64_t stride_grad, int num_rows, int vocab, int blocks_per_row,             \
+        int block_cols, float temperature, float expected, int flags) {                                    \
+        grpo_write_from_stats<T>(logits, grad, ids, weights, coef, row_max, sumexp, grad_output, last_grad, \
+                                 stride_row, stride_grad, num_rows, vocab, blocks_per_row, block_cols,    \
+                                 temperature, expected, flags);                                            \
     }
 
 RLK_DEFINE_WRITE(grpo_write_from_stats_fp32, float)

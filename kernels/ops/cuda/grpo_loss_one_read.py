@@ -39,22 +39,40 @@ _SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # bit layout of the kernel's `flags` argument (FLAG_* and KL_TYPE_SHIFT in the source)
 FLAG_SCALE, FLAG_HAS_REF, FLAG_UNBIASED, FLAG_DUAL_CLIP, FLAG_TIS = 1, 2, 4, 8, 16
 FLAG_STATS_ONLY = 32  # per_token only: no write sweep (write_from_stats writes dlogits later)
+FLAG_WRITE_ALWAYS = 64  # write_from_stats: write for any gradient (a fresh buffer, nothing to keep)
 KL_TYPE_SHIFT = 8
 SIGNATURE = (
     "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",  # logits grad ids old ref adv rollout w per_token
     "i64", "i64", "i32", "i32", "i32", "i64",  # stride_row stride_grad T V slice ignore_index
     "f32", "f32", "f32", "f32", "f32", "f32", "f32",  # temperature eps_low eps_high eps_c tis_low tis_high kl_coef
-    "i32",  # flags
+    "f32", "i32",  # grad_pred (the predicted incoming gradient), flags
     "ptr", "i64",  # the error word (pinned host memory), the call id (kernels/device_errors.py)
 )
 WRITE_SIGNATURE = (
     "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",  # logits grad ids weights coef max sumexp grad_output
-    "i64", "i64", "i32", "i32", "i32",  # stride_row stride_grad V blocks_per_row block_cols
-    "f32", "i32",  # temperature flags
+    "ptr",  # last_grad: the error word's word 3 (kernels/device_errors.py)
+    "i64", "i64", "i32", "i32", "i32", "i32",  # stride_row stride_grad T V blocks_per_row block_cols
+    "f32", "f32", "i32",  # temperature expected flags
 )
-# the write kernel's CTA: up to WRITE_PIECES 16-byte pieces per thread (32 KiB of shared memory),
-# all copied at once; three CTAs per multiprocessor keep ~64 KiB of reads in flight on each
+# the write kernel's block: up to WRITE_PIECES 16-byte pieces per thread (32 KiB), all copied at once,
+# the next block's copy in flight while a CTA writes the current one (two buffers: 64 KiB of shared
+# memory); WRITE_CTAS CTAs per multiprocessor (the write kernel's launch bounds) make the grid's wave
 WRITE_PIECES = 4
+WRITE_CTAS = 3
+
+
+@dataclass(frozen=True)
+class WriteLaunch:
+    """The write kernel's launch for one call (the host path registers it, kernels/ops/host):
+    ``function`` its CUfunction handle, ``ctas`` the grid's cap (one wave), the rest as the kernel's
+    arguments of the same names."""
+
+    function: int
+    ctas: int
+    threads: int
+    shared_bytes: int
+    blocks_per_row: int
+    block_cols: int
 
 
 @dataclass(frozen=True)
@@ -147,11 +165,12 @@ def launch(
     the_plan: OneReadPlan, logits: torch.Tensor, grad: torch.Tensor | None, ids: torch.Tensor, old_logp: torch.Tensor,
     ref_logp: torch.Tensor | None, advantages: torch.Tensor, rollout_logp: torch.Tensor | None,
     weights: torch.Tensor, per_token: torch.Tensor, config, temperature: float, ignore_index: int, kl_code: int,
-    error_word: int, call_id: int,
+    error_word: int, call_id: int, grad_pred: float = 1.0,
 ) -> build.CudaKernel:
-    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for grad_output 1
-    (``grad=None``: per_token only, the same bits; :func:`write_from_stats` writes dlogits later);
-    returns the kernel it launched (a host path registers its handle).
+    """Write per_token [7, T] (as the Triton kernel does) and ``grad`` = dlogits for an incoming
+    gradient ``grad_pred`` (the backward's prediction; ``grad=None``: per_token only, the same bits;
+    :func:`write_from_stats` writes dlogits later); returns the kernel it launched (a host path
+    registers its handle).
 
     ids int64 [T]; old/ref/adv/rollout/weights fp32 contiguous [T]; grad contiguous like logits.
     A row whose id is outside [0, V) and not ignore_index gets NaN terms and dlogits, and a report
@@ -168,7 +187,7 @@ def launch(
         (rollout_logp if config.use_tis else old_logp).data_ptr(), weights.data_ptr(), per_token.data_ptr(),
         logits.stride(0), 0 if grad is None else grad.stride(0), num_tokens, vocab, the_plan.slice, ignore_index,
         temperature, config.eps_clip, config.eps_clip_high, config.eps_clip_c or 0.0,
-        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, flags, error_word, call_id,
+        config.tis_clip_low, config.tis_clip_high, config.kl_loss_coef, grad_pred, flags, error_word, call_id,
     )
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     kernel.launch(num_tokens * the_plan.cluster, THREADS, the_plan.shared_bytes, args, stream)
@@ -178,30 +197,52 @@ def launch(
 def write_from_stats(
     logits: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, coef: torch.Tensor,
     row_max: torch.Tensor, sumexp: torch.Tensor, grad_output: torch.Tensor, temperature: float,
-) -> None:
-    """``grad`` = dlogits for grad_output 1 from a stats-only :func:`launch`'s per_token rows (coef,
-    row max, sum-exp) and the weights: the bits the cluster kernel's write sweep gives, each row cut
-    into equal blocks of at most ``THREADS * WRITE_PIECES`` 16-byte pieces (a CTA each). Nothing is
-    written when ``grad_output`` (fp32 [1], read on the device) is not exactly 1: the caller's
-    rewrite writes the rows then.
+    expected: float | None, last_grad: int,
+) -> WriteLaunch | None:
+    """``grad`` = dlogits for the incoming gradient ``grad_output`` (fp32 [1], read on the device:
+    no host sync) from a :func:`launch`'s per_token rows (coef, row max, sum-exp) and the weights:
+    the bits the cluster kernel's write sweep gives for ``grad_pred`` equal to it. ``expected``: the
+    ``grad_pred`` the forward wrote ``grad`` for (nothing is written when ``grad_output`` has its
+    bits), or None for a fresh ``grad`` (written whatever the gradient). The kernel stores the
+    gradient at ``last_grad`` (the address of the error word's word 3, kernels/device_errors.py).
+    Returns the launch (None when T = 0: nothing launched); its ``ctas`` caps the grid of a launch
+    with an expected gradient.
 
     logits [T, V] as :func:`plan` accepted them; grad contiguous like logits; ids int64 [T];
     weights/coef/row_max/sumexp fp32 contiguous [T]."""
     num_tokens, vocab = logits.shape
     if num_tokens == 0:
-        return
+        return None
     kernel = _module(logits.device).kernel(f"grpo_write_from_stats_{_SUFFIX[logits.dtype]}", WRITE_SIGNATURE)
-    vec = 16 // logits.element_size()
+    shape = _write_launch(kernel.handle.value, logits.device.index, logits.dtype, vocab)
+    flags = FLAG_SCALE if temperature != 1.0 else 0
+    if expected is None:
+        flags, expected = flags | FLAG_WRITE_ALWAYS, 1.0
+    args = (
+        logits.data_ptr(), grad.data_ptr(), ids.data_ptr(), weights.data_ptr(), coef.data_ptr(), row_max.data_ptr(),
+        sumexp.data_ptr(), grad_output.data_ptr(), last_grad, logits.stride(0), grad.stride(0), num_tokens, vocab,
+        shape.blocks_per_row, shape.block_cols, temperature, expected, flags,
+    )
+    stream = torch.cuda.current_stream(logits.device).cuda_stream
+    # expecting the forward's rows: one wave (every CTA returns at once on a hit); writing for sure:
+    # a CTA per block (each copies its block while others write theirs, measured faster than the wave)
+    blocks = num_tokens * shape.blocks_per_row
+    grid = blocks if flags & FLAG_WRITE_ALWAYS else min(blocks, shape.ctas)
+    kernel.launch(grid, THREADS, shape.shared_bytes, args, stream)
+    return shape
+
+
+@functools.lru_cache(maxsize=64)
+def _write_launch(function: int, device: int, dtype: torch.dtype, vocab: int) -> WriteLaunch:
+    """The write kernel's launch for rows of ``vocab`` elements: each row in equal blocks of at
+    most ``THREADS * WRITE_PIECES`` 16-byte pieces, a grid of at most one wave."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    vec = 16 // itemsize
     pieces = -(-vocab // vec)
     blocks_per_row = -(-pieces // (THREADS * WRITE_PIECES))
     block_cols = -(-pieces // blocks_per_row) * vec
-    args = (
-        logits.data_ptr(), grad.data_ptr(), ids.data_ptr(), weights.data_ptr(), coef.data_ptr(), row_max.data_ptr(),
-        sumexp.data_ptr(), grad_output.data_ptr(), logits.stride(0), grad.stride(0), vocab, blocks_per_row,
-        block_cols, temperature, FLAG_SCALE if temperature != 1.0 else 0,
-    )
-    stream = torch.cuda.current_stream(logits.device).cuda_stream
-    kernel.launch(num_tokens * blocks_per_row, THREADS, block_cols * logits.element_size(), args, stream)
+    ctas = torch.cuda.get_device_properties(device).multi_processor_count * WRITE_CTAS
+    return WriteLaunch(function, ctas, THREADS, 2 * block_cols * itemsize, blocks_per_row, block_cols)
 
 
 def _module(device: torch.device) -> build.CudaModule:

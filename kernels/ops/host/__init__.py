@@ -15,35 +15,78 @@ share is ``host_common.h`` (launching a registered Triton kernel, keys, reading 
 cached) the first time the op has a kernel to register, and says so. If it cannot (no compiler, no headers), it logs the reason once and the op keeps its Python
 path: the same results, more host time. With ``VIME_RL_KERNEL_FAST_LAUNCH=0`` (or on CPU, under
 the Triton interpreter) nothing is registered, so nothing is built.
+
+An op holds one :class:`HostModule` and calls through it: its common-case call reads
+``HostModule.forward`` (the module's forward once a kernel is registered with it, else None) and
+calls it; its launches register their kernels with :meth:`HostModule.registry`'s module and hand
+the answer to :meth:`HostModule.registered`. To run an op without its host path (a test's or a
+benchmark's Python path, a probe that swaps kernels), ``with op._HOST.off():``; to watch or replace
+the forward, set ``op._HOST.forward`` (``monkeypatch.setattr(op._HOST, "forward", wrapper)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+from kernels.launch import LaunchKeyError
 from kernels.ops.host import build
 
 logger = logging.getLogger("kernels")
 
 
 class HostModule:
-    """One ``<name>.cpp`` of this folder, built and imported on the first :meth:`load`."""
+    """One ``<name>.cpp`` of this folder, built and imported on the first :meth:`load`, and its op's
+    use of it: the forward the op's common-case call tries first, the registrations that turn it on,
+    a switch to turn it off."""
 
     def __init__(self, name: str) -> None:
         self.source = Path(__file__).with_name(f"{name}.cpp")
+        # the module's forward once it holds a kernel (see registered), else None: the op's call
+        # reads this attribute and calls it, one attribute read of host time
+        self.forward: Callable[..., Any] | None = None
         self._module: ModuleType | None = None
         self._disabled: str | None = None
+        self._off = False
         self._lock = threading.Lock()
 
-    def path_label(self, holds_kernels: bool) -> str:
-        """Which path an op's common-case calls take now, for benchmark tags: ``c++`` (the op's
-        host path holds its kernels), or ``python`` and why not."""
-        if holds_kernels:
+    def path_label(self) -> str:
+        """Which path the op's common-case calls take now, for benchmark tags: ``c++`` (its host
+        path holds its kernels), or ``python`` and why not."""
+        if self.forward is not None:
             return "c++"
-        return f"python ({self._disabled or 'no kernel registered'})"
+        return f"python ({'turned off' if self._off else self._disabled or 'no kernel registered'})"
+
+    def registry(self) -> ModuleType | None:
+        """The module to register the op's kernels with (:meth:`load`), or None while :meth:`off`."""
+        return None if self._off else self.load()
+
+    def registered(self, stored: bool | None, what: str) -> None:
+        """Take the answer of a registration with :meth:`registry`'s module: True stored (the first
+        kernel stored turns on :attr:`forward`), None not a common case, False the module's key for
+        the kernel holds another compiled kernel (its key is too coarse: LaunchKeyError, naming
+        ``what``)."""
+        if stored is False:
+            raise LaunchKeyError(f"{self.source.stem} host path: its key for {what} holds another compiled kernel")
+        if stored and self.forward is None and not self._off:
+            self.forward = self.load().forward
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """The op's Python path alone inside: no :attr:`forward`, and no registration (which would
+        turn it back on, or refuse a kernel built another way under a key the module holds); both
+        as they were on exit."""
+        forward, was_off = self.forward, self._off
+        self.forward, self._off = None, True
+        try:
+            yield
+        finally:
+            self.forward, self._off = forward, was_off
 
     def disabled_reason(self) -> str | None:
         """Why this module is not in use (None: loaded, or not tried yet)."""

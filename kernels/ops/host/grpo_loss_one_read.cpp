@@ -1,6 +1,6 @@
 // grpo_loss's one-read forward and its backward on the host fast path: one C++ call that accepts the
 // common case, allocates the outputs, launches the forward's three kernels and attaches a C++
-// autograd node whose backward launches the dlogits kernel. Neither the forward nor the backward
+// autograd node whose backward launches the write kernel. Neither the forward nor the backward
 // enters Python.
 //
 // Why: a launch-bound grpo_loss forward+backward is all host time, and most of it is Python:
@@ -23,12 +23,17 @@
 //   launched for this call: weights and sums as kernels.launch.CachedLaunch.native_launch's tuple
 //   (CUfunction handle, threads per block, dynamic shared memory, parameter letters), one_read as
 //   (CUfunction handle of kernels/ops/cuda/grpo_loss_one_read.cu's kernel, cluster size, slice
-//   columns, threads, dynamic shared memory). register_backward(logits, ids, grad_output,
-//   temperature, ignore_index, dlogits, programs) stores the backward's UNLESS_UNIT dlogits kernel
-//   (``programs``: the grid's cap, one wave). Each kernel is kept under a key of its own that holds
-//   everything Triton specializes it on (see the *_key functions); a register call returns None
+//   columns, threads, dynamic shared memory). register_backward(logits, write) stores the
+//   backward's write kernel (grpo_write_from_stats_*) as kernels.ops.cuda.grpo_loss_one_read's
+//   WriteLaunch tuple (CUfunction handle, the grid's cap, threads, dynamic shared memory, blocks per
+//   row, block columns) under (device, dtype, V). Each kernel is kept under a key of its own that
+//   holds everything it is specialized on (see the *_key functions); a register call returns None
 //   (storing nothing) where the call is not the common case, False where a key already holds
 //   another kernel (the key would be too coarse: Python raises LaunchKeyError), else True.
+// * The incoming gradient the forward writes dlogits for, as GrpoLossFunction does: the device's
+//   error word's word 3 (kernels/device_errors.py: the last backward's gradient, bits XOR bits(1.0f)),
+//   read from pinned host memory without a wait; the node keeps it and its write kernel rewrites the
+//   rows only when the actual gradient (read on the device) has other bits.
 // * configure(metric_names, second_backward): the metrics' dict keys, and the Python function a
 //   second backward through a retained graph calls (the forward's dlogits were handed out by the
 //   first one: that backward writes fresh rows, as GrpoLossFunction.backward does). clear() forgets
@@ -39,7 +44,7 @@
 //
 // Semantics kept from GrpoLossFunction: logits and ids saved as SavedVariables (saved-tensor hooks,
 // the version-counter check, "backward through the graph a second time" after release); dlogits
-// handed out once; grad_output read on the device (rows rewritten only if it is not exactly 1);
+// handed out once; grad_output read on the device (rows rewritten only if it is not the predicted one);
 // metrics not differentiable; the forward's launches on the current stream, the backward's on the
 // stream the engine makes current (the forward's), so CUDA-graph capture records both.
 //
@@ -65,6 +70,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -91,10 +97,28 @@ struct OneReadKernel {
   unsigned shared = 0;
 };
 
+// grpo_write_from_stats_<dtype> for rows of one V (kernels/ops/cuda/grpo_loss_one_read.py, WriteLaunch)
+struct WriteKernel {
+  uint64_t function = 0;
+  int64_t ctas = 0;  // the grid's cap: one wave
+  unsigned threads = 0;
+  unsigned shared = 0;
+  int32_t blocks_per_row = 0;
+  int32_t block_cols = 0;
+  bool operator==(const WriteKernel& o) const {
+    return function == o.function && ctas == o.ctas && threads == o.threads && shared == o.shared &&
+           blocks_per_row == o.blocks_per_row && block_cols == o.block_cols;
+  }
+};
+
 // ---------------------------------------------------------------- registries
 
-std::unordered_map<uint64_t, TritonKernel> weights_kernels, sums_kernels, dlogits_kernels;
+std::unordered_map<uint64_t, TritonKernel> weights_kernels, sums_kernels;
 std::unordered_map<uint64_t, OneReadKernel> one_read_kernels;
+std::unordered_map<uint64_t, WriteKernel> write_kernels;  // under one_read_key
+// the error word's word 3 (kernels/device_errors.py): the last backward's gradient, bits XOR bits(1.0f)
+constexpr int kLastGrad = 3;
+constexpr uint32_t kOneBits = 0x3f800000u;
 PyObject* metric_names[4] = {nullptr, nullptr, nullptr, nullptr};
 PyObject* second_backward = nullptr;
 
@@ -326,75 +350,67 @@ uint64_t one_read_key(int device, at::ScalarType dtype, int64_t v) {
          static_cast<uint64_t>(v);
 }
 
-// logits contiguous and aligned, dlogits a fresh allocation like them, grad_output an aligned fp32
-// element: V (stride, vocab; exact, since the vocab block and warps follow from it), the dtype, the
-// ids' alignment, T and ignore_index as Triton sees ints, the per_token rows' alignment, SCALE.
-uint64_t dlogits_key(int device, at::ScalarType dtype, int64_t v, const at::Tensor& ids, int64_t t,
-                     int64_t ignore_index, double temperature) {
-  uint64_t key = static_cast<uint64_t>(device);
-  key = key << 2 | static_cast<uint64_t>(dtype_code(dtype));
-  key = key << 31 | static_cast<uint64_t>(v);
-  key = key << 1 | (aligned(ids.data_ptr()) ? 1u : 0u);
-  key = key << 3 | int_bits(t);
-  key = key << 2 | rows_bits(t);
-  key = key << 3 | int_bits(ignore_index);
-  key = key << 1 | (temperature != 1.0 ? 1u : 0u);
-  return key;
-}
-
 // ---------------------------------------------------------------- the backward node
 
-// kernel_: the dlogits kernel (UNLESS_UNIT)
 struct GrpoLossBackward : public LogitsBackward {
-  at::Tensor per_token_;  // rows 4-6: coef, row max, sum-exp; row 7: the reduction weights
-  at::Tensor unit_grad_;  // dlogits for grad_output 1, written by the forward; handed out once
+  at::Tensor per_token_;     // rows 4-6: coef, row max, sum-exp; row 7: the reduction weights
+  at::Tensor forward_grad_;  // dlogits for grad_pred_, written by the forward; handed out once
+  float grad_pred_ = 1.0f;   // the incoming gradient the forward predicted
+  uint64_t last_grad_ = 0;   // the error word's word 3: the write kernel stores the actual gradient there
+  WriteKernel write_;
 
   std::string name() const override { return "GrpoLossBackward"; }
 
   void release_variables() override {
     LogitsBackward::release_variables();
     per_token_.reset();
-    unit_grad_.reset();
+    forward_grad_.reset();
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     PhaseClock clock;
     at::Tensor logits = logits_.unpack();  // raises if released (a second backward) or modified in place
     at::Tensor ids = ids_.unpack();
-    const int64_t t = logits.size(0), v = logits.size(1);
     at::Tensor grad_output = grads[0].defined() ? grads[0] : at::zeros({}, logits.options().dtype(at::kFloat));
-    at::Tensor g = grad_output.reshape({1});
-    if (!unit_grad_.defined()) return {second(logits, ids, grad_output)};
-    if (g.scalar_type() != at::kFloat || !aligned(g.data_ptr())) {
-      g = at::empty({1}, g.options().dtype(at::kFloat)).copy_(g);  // the key's specialization: aligned fp32
-    }
+    if (!forward_grad_.defined()) return {second(logits, ids, grad_output)};
+    if (grad_output.scalar_type() != at::kFloat) grad_output = grad_output.to(at::kFloat);
     make_current(context_);
-    at::Tensor grad = std::move(unit_grad_);
-    const char* rows = static_cast<const char*>(per_token_.data_ptr());
+    at::Tensor grad = std::move(forward_grad_);
+    const int64_t t = logits.size(0);
+    char* rows = static_cast<char*>(per_token_.data_ptr());
     const int64_t row_bytes = 4 * t;
-    const Arg args[] = {
-        Arg::ptr(logits.data_ptr()), Arg::ptr(grad.data_ptr()), Arg::ptr(ids.data_ptr()),
-        Arg::ptr(rows + 7 * row_bytes), Arg::ptr(rows + 4 * row_bytes), Arg::ptr(g.data_ptr()),
-        Arg::ptr(rows + 5 * row_bytes), Arg::ptr(rows + 6 * row_bytes),
-        Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index_), Arg::f32(temperature_),
-        Arg::integer(t),
-    };
-    const int64_t programs = std::min(t, kernel_.programs);
-    launch_triton("dlogits", kernel_, static_cast<unsigned>(programs), current_stream(device_), args, 14);
+    uint64_t ptrs[9] = {
+        reinterpret_cast<uintptr_t>(logits.data_ptr()), reinterpret_cast<uintptr_t>(grad.data_ptr()),
+        reinterpret_cast<uintptr_t>(ids.data_ptr()), reinterpret_cast<uintptr_t>(rows + 7 * row_bytes),
+        reinterpret_cast<uintptr_t>(rows + 4 * row_bytes), reinterpret_cast<uintptr_t>(rows + 5 * row_bytes),
+        reinterpret_cast<uintptr_t>(rows + 6 * row_bytes), reinterpret_cast<uintptr_t>(grad_output.data_ptr()),
+        last_grad_};
+    int64_t stride = logits.size(1);
+    int32_t num_rows = static_cast<int32_t>(t), vocab = static_cast<int32_t>(logits.size(1));
+    int32_t blocks_per_row = write_.blocks_per_row, block_cols = write_.block_cols;
+    float temperature = static_cast<float>(temperature_), expected = grad_pred_;
+    int32_t flags = temperature_ != 1.0 ? 1 : 0;
+    void* params[18];
+    for (int i = 0; i < 9; ++i) params[i] = &ptrs[i];
+    params[9] = &stride, params[10] = &stride, params[11] = &num_rows, params[12] = &vocab;
+    params[13] = &blocks_per_row, params[14] = &block_cols, params[15] = &temperature, params[16] = &expected;
+    params[17] = &flags;
+    const int64_t grid = std::min(t * blocks_per_row, write_.ctas);
+    launch_or_throw("write", write_.function, static_cast<unsigned>(grid), write_.threads, write_.shared,
+                    current_stream(device_), params);
     clock.mark(kBackward);
     return {grad};
   }
 
   // A backward after the first (retain_graph): the forward's dlogits are handed out, so fresh rows
-  // are written by the Python path's backward kernel (rare: its host time does not matter).
+  // are written by the Python path's backward (rare: its host time does not matter).
   at::Tensor second(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& grad_output) {
     PyGILState_STATE gil = PyGILState_Ensure();
     try {
       if (second_backward == nullptr) throw std::runtime_error("grpo_loss host path: configure() was not called");
       PyObject* out = PyObject_CallFunction(
-          second_backward, "NNNNNdL", THPVariable_Wrap(logits), THPVariable_Wrap(ids),
-          THPVariable_Wrap(per_token_[7]), THPVariable_Wrap(per_token_.narrow(0, 4, 3)),
-          THPVariable_Wrap(grad_output), temperature_, static_cast<long long>(ignore_index_));
+          second_backward, "NNNNd", THPVariable_Wrap(logits), THPVariable_Wrap(ids),
+          THPVariable_Wrap(per_token_.narrow(0, 4, 4)), THPVariable_Wrap(grad_output), temperature_);
       if (out == nullptr) throw_python_error("grpo_loss backward");
       if (!THPVariable_Check(out)) {
         Py_DECREF(out);
@@ -416,23 +432,27 @@ struct GrpoLossBackward : public LogitsBackward {
 PyObject* forward(PyObject*, PyObject* call_obj) {
   PhaseClock clock;
   Call call;
-  if (dlogits_kernels.empty() || !common_case(call_obj, &call) || !no_python_modes()) {
+  if (write_kernels.empty() || !common_case(call_obj, &call) || !no_python_modes()) {
     PyErr_Clear();  // an attribute or conversion that failed is just "not the common case"
     Py_RETURN_NONE;
   }
   const auto weights = weights_kernels.find(weights_key(call));
-  const auto one_read = one_read_kernels.find(one_read_key(call.device, call.logits->scalar_type(), call.v));
+  const uint64_t rows_key = one_read_key(call.device, call.logits->scalar_type(), call.v);
+  const auto one_read = one_read_kernels.find(rows_key);
   const auto sums = sums_kernels.find(sums_key(call));
-  const auto dlogits = dlogits_kernels.find(
-      dlogits_key(call.device, call.logits->scalar_type(), call.v, *call.ids, call.t, call.ignore_index,
-                  call.temperature));
+  const auto write = write_kernels.find(rows_key);
   if (weights == weights_kernels.end() || one_read == one_read_kernels.end() || sums == sums_kernels.end() ||
-      dlogits == dlogits_kernels.end()) {
+      write == write_kernels.end()) {
     Py_RETURN_NONE;
   }
   try {
     uint64_t context = 0, err = 0;
     if (!launchable_now(call.device, &context, &err)) Py_RETURN_NONE;
+    // the predicted incoming gradient: the last backward's (word 3; a stale read only predicts worse)
+    const uint32_t pred_bits =
+        static_cast<uint32_t>(reinterpret_cast<const volatile int64_t*>(err)[kLastGrad]) ^ kOneBits;
+    float grad_pred;
+    std::memcpy(&grad_pred, &pred_bits, sizeof(grad_pred));
     const c10::DeviceIndex device = static_cast<c10::DeviceIndex>(call.device);
     void* stream = current_stream(device);
     const at::Tensor& logits = *call.logits;
@@ -441,7 +461,7 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
     const at::TensorOptions f32 = logits.options().dtype(at::kFloat);
     clock.mark(kChecks);
     at::Tensor per_token = at::empty({8, t}, f32);
-    at::Tensor unit_grad = at::empty({t, v}, logits.options());
+    at::Tensor forward_grad = at::empty({t, v}, logits.options());
     at::Tensor metrics = at::empty({4}, f32);
     at::Tensor loss = at::empty({}, f32);
     clock.mark(kAlloc);
@@ -465,7 +485,7 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
       if (cfg.tis) flags |= 16;
       void* old = call.old_logp->data_ptr();
       uint64_t ptrs[9] = {
-          reinterpret_cast<uintptr_t>(logits.data_ptr()), reinterpret_cast<uintptr_t>(unit_grad.data_ptr()),
+          reinterpret_cast<uintptr_t>(logits.data_ptr()), reinterpret_cast<uintptr_t>(forward_grad.data_ptr()),
           reinterpret_cast<uintptr_t>(call.ids->data_ptr()), reinterpret_cast<uintptr_t>(old),
           reinterpret_cast<uintptr_t>(has_ref ? call.ref_logp->data_ptr() : old),
           reinterpret_cast<uintptr_t>(call.advantages->data_ptr()),
@@ -479,12 +499,12 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
                           static_cast<float>(cfg.tis_low), static_cast<float>(cfg.tis_high),
                           static_cast<float>(cfg.kl_coef)};
       uint64_t word_ptr = err;
-      void* params[25];
+      void* params[26];
       for (int i = 0; i < 9; ++i) params[i] = &ptrs[i];
       params[9] = &stride_row, params[10] = &stride_grad, params[11] = &num_tokens, params[12] = &vocab;
       params[13] = &slice, params[14] = &ignore_index;
       for (int i = 0; i < 7; ++i) params[15 + i] = &scalars[i];
-      params[22] = &flags, params[23] = &word_ptr, params[24] = &call_id;
+      params[22] = &grad_pred, params[23] = &flags, params[24] = &word_ptr, params[25] = &call_id;
       launch_or_throw("one-read", k.function, static_cast<unsigned>(t * k.cluster), k.threads, k.shared, stream,
                       params);
     }
@@ -495,10 +515,14 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
       launch_triton("weighted sums", sums->second, 1, stream, args, 6);
     }
     clock.mark(kSums);
-    auto* grpo = attach_logits_node<GrpoLossBackward>(loss, logits, *call.ids, dlogits->second, call.temperature,
+    static const TritonKernel no_triton_kernel;  // the node launches the write kernel (write_)
+    auto* grpo = attach_logits_node<GrpoLossBackward>(loss, logits, *call.ids, no_triton_kernel, call.temperature,
                                                      call.ignore_index, context);
     grpo->per_token_ = per_token;
-    grpo->unit_grad_ = std::move(unit_grad);
+    grpo->forward_grad_ = std::move(forward_grad);
+    grpo->grad_pred_ = grad_pred;
+    grpo->last_grad_ = err + kLastGrad * sizeof(int64_t);
+    grpo->write_ = write->second;
     clock.mark(kNode);
     std::vector<at::Tensor> parts = at::unbind(metrics, 0);
     PyObject* dict = PyDict_New();
@@ -587,48 +611,38 @@ PyObject* register_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* register_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!takes("register_backward", nargs, 7)) return nullptr;
-  for (int i = 0; i < 3; ++i) {
-    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
-  }
+  if (!takes("register_backward", nargs, 2)) return nullptr;
+  if (!THPVariable_CheckExact(args[0])) Py_RETURN_NONE;
   const at::Tensor& logits = THPVariable_Unpack(args[0]);
-  const at::Tensor& ids = THPVariable_Unpack(args[1]);
-  const at::Tensor& grad_output = THPVariable_Unpack(args[2]);
-  const double temperature = PyFloat_AsDouble(args[3]);
-  const long long ignore_index = PyLong_AsLongLong(args[4]);
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
   const int code = dtype_code(logits.scalar_type());
-  if (logits.dim() != 2 || !logits.is_cuda() || code < 0 || code > 2 || !logits.is_contiguous() ||
-      !aligned(logits.data_ptr()) || logits.size(0) > kInt32Max || logits.size(1) > kInt32Max ||
-      ids.scalar_type() != at::kLong || ids.dim() != 1 || !ids.is_contiguous() ||
-      grad_output.scalar_type() != at::kFloat || grad_output.numel() != 1 || !aligned(grad_output.data_ptr())) {
+  if (logits.dim() != 2 || !logits.is_cuda() || code < 0 || code > 2 || logits.size(0) > kInt32Max ||
+      logits.size(1) > kInt32Max) {
     Py_RETURN_NONE;
   }
   if (!driver_or_error()) return nullptr;
-  TritonKernel kernel;
-  if (!read_native(args[5], &kernel)) return nullptr;
-  kernel.programs = PyLong_AsLongLong(args[6]);
-  if (PyErr_Occurred()) return nullptr;
-  if (kernel.programs <= 0) {
-    PyErr_SetString(PyExc_ValueError, "grpo_loss host path: programs must be > 0");
+  WriteKernel kernel;
+  unsigned long long function = 0;
+  long long ctas = 0, blocks_per_row = 0, block_cols = 0;
+  if (!PyArg_ParseTuple(args[1], "KLIILL", &function, &ctas, &kernel.threads, &kernel.shared, &blocks_per_row,
+                        &block_cols)) {
     return nullptr;
   }
-  const int64_t t = logits.size(0), v = logits.size(1);
-  const Arg dlogits_args[] = {
-      Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
-      Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}), Arg::ptr(uint64_t{0}),
-      Arg::integer(v), Arg::integer(v), Arg::integer(v), Arg::integer(ignore_index), Arg::f32(temperature),
-      Arg::integer(t)};
-  if (!check_fits("dlogits", kernel, dlogits_args, 14)) return nullptr;
+  if (ctas <= 0 || kernel.threads == 0 || blocks_per_row <= 0 || block_cols <= 0 || blocks_per_row > kInt32Max ||
+      block_cols > kInt32Max) {
+    PyErr_SetString(PyExc_ValueError, "grpo_loss host path: a write launch needs ctas, threads, blocks and columns > 0");
+    return nullptr;
+  }
+  kernel.function = function, kernel.ctas = ctas;
+  kernel.blocks_per_row = static_cast<int32_t>(blocks_per_row), kernel.block_cols = static_cast<int32_t>(block_cols);
   const int device = logits.get_device();
   if (!remember_context(device)) return nullptr;
-  if (!store(dlogits_kernels, dlogits_key(device, logits.scalar_type(), v, ids, t, ignore_index, temperature),
-             std::move(kernel))) {
+  const uint64_t key = one_read_key(device, logits.scalar_type(), logits.size(1));
+  const auto known = write_kernels.find(key);
+  if (known != write_kernels.end()) {
+    if (known->second == kernel) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
   }
+  write_kernels.emplace(key, kernel);
   Py_RETURN_TRUE;
 }
 
@@ -654,7 +668,7 @@ PyObject* configure(PyObject*, PyObject* args) {
 PyObject* clear(PyObject*, PyObject*) {
   weights_kernels.clear();
   sums_kernels.clear();
-  dlogits_kernels.clear();
+  write_kernels.clear();
   one_read_kernels.clear();
   Py_RETURN_NONE;
 }
@@ -683,7 +697,7 @@ PyMethodDef methods[] = {
         "forward(call) -> (loss, metrics) | None (not the common case, or not registered)",
         "register_forward(call, weights_native, (one_read_function, cluster, slice, threads, shared), sums_native,"
         " error_word) -> True | False (a key holds another kernel) | None (not a common case)",
-        "register_backward(logits, ids, grad_output, temperature, ignore_index, dlogits_native, programs)"
+        "register_backward(logits, (write_function, ctas, threads, shared, blocks_per_row, block_cols))"
         " -> True | False | None"),
     {"configure", configure, METH_VARARGS, "configure(metric_names, second_backward)"},
     {"phases", phases, METH_O, "phases(on) -> {phase: mean us per call since the last phases() call}; on: keep timing"},
