@@ -140,26 +140,28 @@ def build_all(names: list[str]) -> dict[str, float | str]:
         return dict(pool.map(one, names))
 
 
-def smoke(names: list[str], dtypes: list[str], timeout_s: float = 150) -> dict[str, str]:
-    """Run each variant's kernel (--single, every dtype) in a child process of its own, all at once;
-    the variants that fail or hang (a kernel that never finishes would hold the whole probe), with why."""
-    procs = {}
-    for name in names:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--single", f"{name}:{','.join(dtypes)}",
-               *(["--baseline-source", str(BASELINE_SOURCE)] if BASELINE_SOURCE else [])]
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def smoke(names: list[str], dtypes: list[str], timeout_s: float = 150, at_once: int = 4) -> dict[str, str]:
+    """Run each variant's kernel (--single, every dtype) in a child process of its own, ``at_once`` at a
+    time (each holds the benchmark's logits and dlogits: up to 10 GB at fp32); the variants that fail or
+    hang (a kernel that never finishes would hold the whole probe), with why."""
     failed = {}
-    deadline = time.monotonic() + timeout_s
-    for name, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            failed[name] = f"did not finish in {timeout_s:.0f} s"
-        else:
-            if proc.returncode != 0:
-                failed[name] = f"exit {proc.returncode}: {out[-1500:]}"
+    for first in range(0, len(names), at_once):
+        procs = {}
+        for name in names[first:first + at_once]:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--single", f"{name}:{','.join(dtypes)}",
+                   *(["--baseline-source", str(BASELINE_SOURCE)] if BASELINE_SOURCE else [])]
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in procs.items():
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+                failed[name] = f"did not finish in {timeout_s:.0f} s"
+            else:
+                if proc.returncode != 0:
+                    failed[name] = f"exit {proc.returncode}: {out[-1500:]}"
     for name, why in failed.items():
         print(f"[probe] variant {name} dropped: {why}", flush=True)
     return failed
