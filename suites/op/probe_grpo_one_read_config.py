@@ -17,7 +17,10 @@ rounds (every variant once per round, so drifting clocks hit all alike), per var
 * ``plain_ms``: the same call plainly (wall time, pytest_rlk.timing.bench);
 
 each the median over rounds, against the one-read limit (one read of the logits and one write of
-dlogits at the copy bandwidth measured in the same process). The op runs its Python path (the C++
+dlogits at the copy bandwidth measured in the same process). Before timing, every variant but the
+default runs once in a child process of its own, all at once: a variant that does not build, fails
+or does not finish in time is dropped (with why, in probe.json) and the probe goes on; the
+registers, stack and shared memory of the benchmark shape's kernels are printed (cuobjdump). The op runs its Python path (the C++
 host path keeps one kernel per key; at this shape the host time is hidden behind the GPU's). Every
 variant's dlogits and per-token outputs are compared with the default variant's (elements that
 differ, the largest difference in units of the output dtype's spacing). ``--ncu`` profiles the
@@ -25,7 +28,8 @@ kernel alone for the named variants (``ncu --clock-control none``, the sections 
 ``--tests VARIANT`` (a run of its own, after the probe) runs the one-read tests of
 suites/op/test_grpo_loss.py with that variant's build (``best``: the fastest bf16 op of
 DIR/probe.json). Results: DIR/probe.json, DIR/probe.md (a table), DIR/ncu_<variant>_<dtype>.csv.
-Measured results and commands: docs/performance-notes.md ("bulk copies and lean sweeps").
+Measured results and commands: docs/performance-notes.md ("bulk copies and lean sweeps", "a persistent
+grid of clusters").
 """
 
 from __future__ import annotations
@@ -121,15 +125,61 @@ def use(variant: Variant) -> None:
     one_read._plan.cache_clear()
 
 
-def build_all(names: list[str]) -> dict[str, float]:
-    """Compile every variant's fatbin (in parallel; cached); seconds per variant."""
+def build_all(names: list[str]) -> dict[str, float | str]:
+    """Compile every variant's fatbin (in parallel; cached); seconds per variant, or the error."""
     def one(name):
         start = time.perf_counter()
-        build.compile_fatbin(VARIANTS[name].source(), defines_of(VARIANTS[name]))
+        try:
+            build.compile_fatbin(VARIANTS[name].source(), defines_of(VARIANTS[name]))
+        except build.CudaBuildError as exc:
+            print(f"[probe] variant {name} does not build: {exc}", flush=True)
+            return name, f"build failed: {str(exc)[-600:]}"
         return name, time.perf_counter() - start
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         return dict(pool.map(one, names))
+
+
+def smoke(names: list[str], dtypes: list[str], timeout_s: float = 150, at_once: int = 4) -> dict[str, str]:
+    """Run each variant's kernel (--single, every dtype) in a child process of its own, ``at_once`` at a
+    time (each holds the benchmark's logits and dlogits: up to 10 GB at fp32); the variants that fail or
+    hang (a kernel that never finishes would hold the whole probe), with why."""
+    failed = {}
+    for first in range(0, len(names), at_once):
+        procs = {}
+        for name in names[first:first + at_once]:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--single", f"{name}:{','.join(dtypes)}",
+                   *(["--baseline-source", str(BASELINE_SOURCE)] if BASELINE_SOURCE else [])]
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in procs.items():
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+                failed[name] = f"did not finish in {timeout_s:.0f} s"
+            else:
+                if proc.returncode != 0:
+                    failed[name] = f"exit {proc.returncode}: {out[-1500:]}"
+    for name, why in failed.items():
+        print(f"[probe] variant {name} dropped: {why}", flush=True)
+    return failed
+
+
+def resource_usage(names: list[str]) -> None:
+    """Registers, stack and shared memory of the benchmark shape's kernels (cuobjdump, where present)."""
+    tool = shutil.which("cuobjdump") or next((str(p) for p in sorted(Path("/").glob("usr/local/cuda*/bin/cuobjdump"))),
+                                             None)
+    if tool is None:
+        return
+    for name in names:
+        fatbin = build.fatbin_path(VARIANTS[name].source(), defines_of(VARIANTS[name]))
+        proc = subprocess.run([tool, "-res-usage", str(fatbin)], capture_output=True, text=True, check=False)
+        lines = proc.stdout.splitlines()
+        for i, line in enumerate(lines):
+            if re.search(r"grpo_one_read_(bf16_c[48]|fp32_c8)\b", line) and i + 1 < len(lines):
+                print(f"[res {name}] {line.split()[-1]} {lines[i + 1].strip()}", flush=True)
 
 
 def _python_path_only() -> contextlib.AbstractContextManager[None]:
@@ -276,13 +326,18 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def single(name: str, dn: str) -> None:
-    """One variant's kernel, launched 3 times (for ncu: it profiles the last)."""
+def single(name: str, dtypes: str) -> None:
+    """One variant's kernel, launched 3 times per dtype (for ncu: it profiles the last; for smoke)."""
     use(VARIANTS[name])
-    work = Workload(DTYPES[dn])
-    for _ in range(3):
-        work.launch()
-    torch.cuda.synchronize()
+    for dn in dtypes.split(","):
+        if dn not in VARIANTS[name].dtypes:
+            continue
+        work = Workload(DTYPES[dn])
+        for _ in range(3):
+            work.launch()
+        torch.cuda.synchronize()
+        del work
+        torch.cuda.empty_cache()
 
 
 NCU_SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis",
@@ -369,9 +424,15 @@ def main() -> None:
     start = time.perf_counter()
     built = build_all(names)
     print(f"[probe] built {len(built)} variants in {time.perf_counter() - start:.1f} s", flush=True)
+    resource_usage([n for n in names if not isinstance(built[n], str)])
+    dropped = {n: why for n, why in built.items() if isinstance(why, str)}
+    dropped.update(smoke([n for n in names if n != "default" and n not in dropped], args.dtypes.split(",")))
+    if "default" in dropped:
+        raise SystemExit(f"the default variant does not build: {dropped['default']}")
     with _python_path_only():
-        results = probe(names, args.dtypes.split(","), args.rounds)
+        results = probe([n for n in names if n not in dropped], args.dtypes.split(","), args.rounds)
     results["build_s"] = built
+    results["dropped"] = dropped
     (args.out / "probe.json").write_text(json.dumps(results, indent=1))
     text = table(results)
     (args.out / "probe.md").write_text(text)
