@@ -183,11 +183,11 @@ def resource_usage(names: list[str]) -> None:
 
 
 def _python_path_only() -> contextlib.AbstractContextManager[None]:
-    """The op's Python path while inside: the C++ host path registers one kernel per key and would
-    refuse a second variant under the same key (probe_grpo_loss_host.py does the same)."""
+    """The op's Python path while inside, registering nothing: the C++ host path holds one kernel
+    per key and would refuse a second variant under the same key."""
     from kernels.ops import grpo_loss as grpo_loss_op
 
-    return grpo_loss_op._HOST.off()
+    return grpo_loss_op._HOST.off(register=False)
 
 
 class Workload:

@@ -18,6 +18,7 @@ reported under the call's id, the public call served and the rest declined, CUDA
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -84,15 +85,31 @@ def test_a_host_module_turned_off_leaves_its_op_the_python_path_until_the_block_
     module = _host_module_or_skip(host)
     host.registered(True, "this call's kernel")
     with host.off():
-        assert host.forward is None and host.registry() is None and host.path_label() == "python (turned off)"
+        assert host.forward is None and host.path_label() == "python (turned off)"
+        assert host.registry() is module, "the Python path's launches must still register their kernels"
         host.registered(True, "this call's kernel")  # a registration does not turn it back on
         assert host.forward is None
-        with host.off():
-            pass
-        assert host.forward is None and host.registry() is None, "an inner block's end turned it back on"
+        with host.off(register=False):
+            assert host.registry() is None
+        assert host.forward is None and host.registry() is module, "an inner block's end turned it back on"
         with pytest.raises(launch.LaunchKeyError):
             host.registered(False, "this call's kernel")
     assert host.forward is module.forward and host.registry() is module and host.path_label() == "c++"
+
+
+def test_a_kernel_first_stored_while_off_turns_the_forward_on_at_the_blocks_end():
+    """The Python path's launcher serves a kernel's later launches without registering it again: a
+    kernel first launched inside off() must still reach the host path afterwards."""
+    host = HostModule("ratio_kl_forward")
+    module = _host_module_or_skip(host)
+    with host.off():
+        host.registered(True, "this call's kernel")
+        assert host.forward is None
+    assert host.forward is module.forward
+    fresh = HostModule("ratio_kl_forward")
+    with fresh.off(register=False):
+        assert fresh.registry() is None
+    assert fresh.forward is None, "nothing was stored: the forward stays off"
 
 
 class _CpuRuntime:  # kernels.launch's runtime, as an op's host path asks it for the device and stream
@@ -518,12 +535,11 @@ def test_grpo_predicted_gradient_hit_or_miss_gives_the_same_bits_on_both_paths(m
 
     def run(g, predicted, host):
         _predict(predicted)
-        if not host:
-            monkeypatch.setattr(grpo_loss_op, "_host_forward", None)
         before = _grpo_served()
-        loss, metrics = grpo_loss_op.grpo_loss(logits, ids, config=config, **kw)
-        served = _grpo_served() - before
-        (dlogits,) = torch.autograd.grad(loss, logits, torch.tensor(g, device="cuda"))
+        with contextlib.nullcontext() if host else grpo_loss_op._HOST.off():
+            loss, metrics = grpo_loss_op.grpo_loss(logits, ids, config=config, **kw)
+            served = _grpo_served() - before
+            (dlogits,) = torch.autograd.grad(loss, logits, torch.tensor(g, device="cuda"))
         torch.cuda.synchronize()
         assert served == int(host), f"gradient {g}, prediction {predicted}: host path served {served}"
         return [loss.detach(), *(metrics[k] for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss")), dlogits]

@@ -20,8 +20,9 @@ An op holds one :class:`HostModule` and calls through it: its common-case call r
 ``HostModule.forward`` (the module's forward once a kernel is registered with it, else None) and
 calls it; its launches register their kernels with :meth:`HostModule.registry`'s module and hand
 the answer to :meth:`HostModule.registered`. To run an op without its host path (a test's or a
-benchmark's Python path, a probe that swaps kernels), ``with op._HOST.off():``; to watch or replace
-the forward, set ``op._HOST.forward`` (``monkeypatch.setattr(op._HOST, "forward", wrapper)``).
+benchmark's Python path), ``with op._HOST.off():`` (a probe that launches kernels built another
+way, ``off(register=False)``); to watch or replace the forward, set ``op._HOST.forward``
+(``monkeypatch.setattr(op._HOST, "forward", wrapper)``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class HostModule:
         self.forward: Callable[..., Any] | None = None
         self._module: ModuleType | None = None
         self._disabled: str | None = None
-        self._off = False
+        self._off = False  # inside off(): no forward
+        self._unregistered = False  # inside off(register=False): no registration either
+        self._stored = False  # a kernel was stored with the module
         self._lock = threading.Lock()
 
     def path_label(self) -> str:
@@ -63,30 +66,39 @@ class HostModule:
         return f"python ({'turned off' if self._off else self._disabled or 'no kernel registered'})"
 
     def registry(self) -> ModuleType | None:
-        """The module to register the op's kernels with (:meth:`load`), or None while :meth:`off`."""
-        return None if self._off else self.load()
+        """The module to register the op's kernels with (:meth:`load`), or None inside
+        ``off(register=False)``."""
+        return None if self._unregistered else self.load()
 
     def registered(self, stored: bool | None, what: str) -> None:
         """Take the answer of a registration with :meth:`registry`'s module: True stored (the first
-        kernel stored turns on :attr:`forward`), None not a common case, False the module's key for
-        the kernel holds another compiled kernel (its key is too coarse: LaunchKeyError, naming
-        ``what``)."""
+        kernel stored turns on :attr:`forward`; inside :meth:`off`, at the block's end), None not a
+        common case, False the module's key for the kernel holds another compiled kernel (its key is
+        too coarse: LaunchKeyError, naming ``what``)."""
         if stored is False:
             raise LaunchKeyError(f"{self.source.stem} host path: its key for {what} holds another compiled kernel")
-        if stored and self.forward is None and not self._off:
-            self.forward = self.load().forward
+        if stored:
+            self._stored = True
+            if self.forward is None and not self._off:
+                self.forward = self.load().forward
 
     @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
-        """The op's Python path alone inside: no :attr:`forward`, and no registration (which would
-        turn it back on, or refuse a kernel built another way under a key the module holds); both
-        as they were on exit."""
-        forward, was_off = self.forward, self._off
-        self.forward, self._off = None, True
+    def off(self, *, register: bool = True) -> Iterator[None]:
+        """The op's Python path alone inside: no :attr:`forward`. The Python path still registers
+        the kernels it launches (its launcher serves a kernel's later launches without passing the
+        registration again, so a kernel first launched here would never reach the host path
+        otherwise); ``register=False`` stops that too (a probe that launches kernels built another
+        way under keys the module holds). On exit, :attr:`forward` as it was, or on if the block
+        stored the first kernel."""
+        forward, was_off, was_unregistered = self.forward, self._off, self._unregistered
+        self.forward, self._off, self._unregistered = None, True, was_unregistered or not register
         try:
             yield
         finally:
-            self.forward, self._off = forward, was_off
+            self._off, self._unregistered = was_off, was_unregistered
+            if forward is None and self._stored and not was_off:
+                forward = self.load().forward
+            self.forward = forward
 
     def disabled_reason(self) -> str | None:
         """Why this module is not in use (None: loaded, or not tried yet)."""
