@@ -10,7 +10,7 @@ rounds. Beside them, a read floor: a kernel that only sums each row (the same by
 no log), at its best (BLOCK_V, num_warps) of the same grid: how close any row-wise read gets to the
 copy bandwidth at this size. Every figure is also given as a fraction of the read limit (the
 logits' bytes at the copy bandwidth measured in the same process, as the benchmarks state it).
-The configuration ``vocab_block(read_only=True)`` picks today is marked.
+The configuration ``vocab_block(read_only=True)`` picks is marked.
 
 Then the benchmark's own conditions (pytest_rlk.timing.bench: one call per timing, L2 flushed
 before each by writing a 256 MiB buffer, whose dirty lines the timed kernel then evicts to HBM):
@@ -49,7 +49,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCKS = (2048, 4096, 8192, 16384, 32768)
 WARPS = (4, 8, 16)
 STAGES = (None, 2, 4)  # None: Triton's default
-EXP2_CONFIGS = {False: ((8192, 4), (4096, 4), (8192, 8), (16384, 8)), True: ((4096, 8), (16384, 8), (16384, 16))}
 
 
 @triton.jit
@@ -62,36 +61,6 @@ def _row_sum_kernel(logits_ptr, out_ptr, stride_row, vocab, BLOCK_V: tl.constexp
         cols = start + offs
         acc += tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab, other=0.0).to(tl.float32)
     tl.store(out_ptr + row, tl.sum(acc, 0))
-
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _logp_exp2_kernel(logits_ptr, ids_ptr, out_ptr, max_ptr, sumexp_ptr, stride_row, vocab,
-                      BLOCK_V: tl.constexpr):
-    """A variant of the statistics sweep: exp(z - m) as exp2(fma(z, log2e, -h)) with h = m log2e
-    rounded (one FFMA per element instead of FADD + FMUL), each tile's sum multiplied by
-    1 - (m log2e - h) ln 2 (the residual, exact in one FMA) so that S keeps no bias from h's rounding."""
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    offs = tl.arange(0, BLOCK_V)
-    m = float("-inf")
-    s = 0.0
-    for start in range(0, vocab, BLOCK_V):
-        cols = start + offs
-        z = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        h = m_new * LOG2E
-        correction = 1.0 - tl.fma(m_new, LOG2E, -h) * LN2  # 2**-(m log2e - h)
-        s = (s * tl.exp2(tl.fma(m, LOG2E, -h)) + tl.sum(tl.exp2(tl.fma(z, LOG2E, -h)), 0)) * correction
-        m = m_new
-    target = tl.load(ids_ptr + row)
-    z_t = tl.load(row_ptr + target).to(tl.float32)
-    tl.store(max_ptr + row, m)
-    tl.store(sumexp_ptr + row, s)
-    tl.store(out_ptr + row, (z_t - m) - tl.log(s))
 
 
 def configs(dtype: torch.dtype) -> list[tuple[int, int, int | None]]:
@@ -130,27 +99,6 @@ def _floor_launcher(logits, out, block, warps, stages):
     return launch
 
 
-def _exp2_launcher(logits, ids, out, block, warps):
-    num_tokens, vocab = logits.shape
-
-    def launch():
-        _logp_exp2_kernel[(num_tokens,)](logits, ids, out[0], out[1], out[2], logits.stride(0), vocab, BLOCK_V=block,
-                                         num_warps=warps)
-    return launch
-
-
-def _exp2_outputs_against_default(logits, ids, word, default, block, warps) -> dict:
-    """The variant's logp / sum-exp against the default kernel's (max abs, max relative)."""
-    num_tokens = logits.shape[0]
-    reference = torch.empty((3, num_tokens), device="cuda", dtype=torch.float32)
-    variant = torch.empty_like(reference)
-    _fwd_launcher(logits, ids, reference, word, default[0], default[1], None)()
-    _exp2_launcher(logits, ids, variant, block, warps)()
-    torch.cuda.synchronize()
-    return {"logp_max_abs": (variant[0] - reference[0]).abs().max().item(),
-            "sumexp_max_rel": ((variant[2] - reference[2]).abs() / reference[2]).max().item()}
-
-
 def probe(dtype_names: list[str], rounds: int) -> dict:
     bandwidth = hbm_bytes_per_s()
     word = device_errors.word_for(torch.device("cuda"))
@@ -179,13 +127,6 @@ def probe(dtype_names: list[str], rounds: int) -> dict:
                                                  "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
                         continue
                     launchers[(kind, block, warps, stages)] = launch
-            for block, warps in EXP2_CONFIGS[dtype == torch.float32]:
-                launch = _exp2_launcher(logits, ids, out, block, warps)
-                launch()
-                launchers[("logp_exp2", block, warps, None)] = launch
-                results.setdefault("exp2_outputs", []).append({
-                    "dtype": name, "shape": [num_tokens, vocab], "block": block, "warps": warps,
-                    **_exp2_outputs_against_default(logits, ids, word, default, block, warps)})
             times: dict = {key: [] for key in launchers}
             for _ in range(rounds):
                 for key, launch in launchers.items():
@@ -212,7 +153,6 @@ def _bench_conditions(name, logits, ids, cases, launchers, limit_ms) -> list[dic
     chosen = {"logp default": next(c for c in timed if c.get("default")),
               "logp fastest": min((c for c in timed if c["kind"] == "logp"), key=lambda c: c["ms"]),
               "floor fastest": min((c for c in timed if c["kind"] == "floor"), key=lambda c: c["ms"])}
-    chosen["logp_exp2 fastest"] = min((c for c in timed if c["kind"] == "logp_exp2"), key=lambda c: c["ms"])
     calls = {label: launchers[(c["kind"], c["block"], c["warps"], c["stages"])] for label, c in chosen.items()}
     calls["kernels.logp (public call)"] = lambda: kernels.logp(logits, ids)
     buffer = torch.empty(timing._L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
@@ -252,9 +192,6 @@ def table(results: dict) -> str:
             mark = "default" if c.get("default") else ""
             lines.append(f"| {key[0]} | {key[1][0]}x{key[1][1]} | {key[2]} | {c['block']} | {c['warps']} | "
                          f"{c['stages'] or '-'} | {c['ms']:.4f} | {100 * c['of_limit']:.1f}% | {mark} |")
-    lines += ["", "exp2 variant's outputs against the default kernel's:", ""]
-    lines += [f"- {o['dtype']} {o['shape'][0]}x{o['shape'][1]} {o['block']}x{o['warps']}: logp max abs "
-              f"{o['logp_max_abs']:.2e}, sum-exp max rel {o['sumexp_max_rel']:.2e}" for o in results.get("exp2_outputs", [])]
     lines += ["", "Under the benchmark's conditions (one call per timing):", "",
               "| dtype | shape | what | L2 flush | ms | of limit |", "|---|---|---|---|---|---|"]
     for row in results.get("bench_conditions", []):
