@@ -102,6 +102,7 @@ from kernels import settings
 from kernels.contracts import IGNORE_INDEX, LinearLogpCall, entry_point
 from kernels.contracts.linear_logp import check_workspace_bytes
 from kernels.ops import INTERPRETED  # fixed at first import, like triton.jit's choice
+from kernels.ops.exp2 import LN2, LOG2E
 
 # The workspace budget: ``workspace_bytes`` (the call's argument), else the setting
 # RLK_LINEAR_LOGP_WORKSPACE_BYTES (kernels/settings.py), else this default.
@@ -334,10 +335,6 @@ def _plan(T: int, H: int, V: int, dtype: torch.dtype, budget: int, *, explicit: 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
 
 @triton.jit
 def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):

@@ -46,6 +46,7 @@ import triton.language as tl
 from kernels import device_errors, launch
 from kernels.contracts import LogpCall, entry_point
 from kernels.launch import CachedLaunch
+from kernels.ops.exp2 import LOG2E, exp2_correction
 from kernels.ops.host import HostModule
 from kernels.ops.value_checks import INPUT_TARGET_IDS, bad_target, report_bad_value
 
@@ -70,10 +71,6 @@ def _forward_block(vocab: int, dtype: torch.dtype) -> tuple[int, int]:
     return vocab_block(vocab, dtype, read_only=True)
 
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
 @triton.jit
 def row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V: tl.constexpr, SCALE: tl.constexpr):
     """Online max and sum of exp over one row: returns (m, S) with S = sum exp(z - m).
@@ -93,7 +90,7 @@ def row_max_sumexp(row_ptr, vocab, temperature, BLOCK_V: tl.constexpr, SCALE: tl
             z = tl.math.div_rn(z, temperature)
         m_new = tl.maximum(m, tl.max(z, 0))
         h = m_new * LOG2E
-        tile = tl.sum(tl.exp2(tl.fma(z, LOG2E, -h)), 0) * (1.0 - tl.fma(m_new, LOG2E, -h) * LN2)
+        tile = tl.sum(tl.exp2(tl.fma(z, LOG2E, -h)), 0) * exp2_correction(m_new, h)
         # the running sum's rescale is exp(0) = 1 exactly while the max holds: an exp2 of the tiny
         # residual there would carry ex2's own rounding into S once per tile (~4e-6 over 38 tiles)
         s = s * tl.exp(m - m_new) + tile
@@ -127,7 +124,7 @@ def row_write_grad(
     if SCALE:
         coef = tl.math.div_rn(coef, temperature)
     h = row_max * LOG2E
-    coef_over_s = tl.math.div_rn(coef, sumexp) * (1.0 - tl.fma(row_max, LOG2E, -h) * LN2)
+    coef_over_s = tl.math.div_rn(coef, sumexp) * exp2_correction(row_max, h)
     for start in range(0, vocab, BLOCK_V):
         cols = start + offs
         in_row = cols < vocab
