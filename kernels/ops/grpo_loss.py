@@ -388,11 +388,10 @@ class GrpoLossFunction(torch.autograd.Function):
         # the forward's rows are handed out once (autograd may keep them as .grad); a second backward
         # through a retained graph writes fresh ones
         grad, ctx.forward_grad = ctx.forward_grad, None
-        expected = None if grad is None else ctx.grad_pred
         if grad is None:
-            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        launched = _write_dlogits(logits, ids, ctx.residual, grad_output, grad, expected, ctx.temperature)
-        if expected is not None and ctx.host_path and launched is not None:
+            return _fresh_dlogits(logits, ids, ctx.residual, grad_output, ctx.temperature), None
+        launched = _write_dlogits(logits, ids, ctx.residual, grad_output, grad, ctx.grad_pred, ctx.temperature)
+        if ctx.host_path and launched is not None:
             _register_backward(logits, launched)
         return grad, None
 
@@ -472,9 +471,10 @@ def _write_dlogits(logits, ids, residual, grad_output, grad, expected, temperatu
         grad_output, float(temperature), expected, device_errors.word_for(logits.device).last_grad_ptr)
 
 
-def _second_backward(logits, ids, residual, grad_loss, temperature):
-    """The host path's backward after the first through a retained graph (its node calls this): the
-    forward's dlogits were handed out, so fresh rows are written, as GrpoLossFunction's backward does."""
+def _fresh_dlogits(logits, ids, residual, grad_loss, temperature):
+    """dlogits for ``grad_loss`` into fresh rows, always written: a backward without the forward's
+    rows (a second backward through a retained graph, GrpoLossFunction's or the host path's node,
+    which calls this; the compiled operators' backward)."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     _write_dlogits(logits, ids, residual, grad_loss.reshape(1), grad, None, temperature)
     return grad
@@ -488,7 +488,7 @@ def _host_module():
         return None
     module = _HOST.registry()  # built on the first registration; None (said once) if it cannot be
     if module is not None and _HOST.forward is None:
-        module.configure(METRIC_NAMES, _second_backward)
+        module.configure(METRIC_NAMES, _fresh_dlogits)
     return module
 
 
@@ -573,8 +573,6 @@ def grpo_loss_dlogits(logits: torch.Tensor, ids: torch.Tensor, residual: torch.T
     residual = residual.contiguous()
     grad_output = grad_loss.to(torch.float32).reshape(1)
     if isinstance(one_read_plan(logits), one_read_kernel.OneReadPlan):
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        _write_dlogits(logits, ids, residual, grad_output, grad, None, temperature)
-        return grad
+        return _fresh_dlogits(logits, ids, residual, grad_output, temperature)
     coef, row_max, sumexp, weights = residual.unbind(0)
     return _dlogits(logits, ids, weights, (coef, row_max, sumexp), grad_output, temperature, ignore_index, False)
