@@ -179,16 +179,35 @@ __device__ __forceinline__ void mbar_wait_phase0(uint64_t* bar) {
         " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
         " @!done bra WAIT_%=;\n}\n" ::"r"(b) : "memory");
 }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+// every CTA of the cluster has initialized its barriers: arrive early (relaxed: the only writes to
+// publish are the mbarrier inits, which fence.mbarrier_init releases), wait just before the first push
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// (a, b) into the shared memory of CTA `rank` of the cluster, at that CTA's `slot`, completing 8
+// bytes on that CTA's mbarrier `bar` (st.async: no fence, no cluster barrier; the receiver's wait
+// on `bar` makes the pair visible to it)
+__device__ __forceinline__ void push_pair(float2* slot, uint64_t* bar, unsigned rank, float a, float b) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+    const unsigned br = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+    unsigned rs, rb;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(rs) : "r"(s), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(rb) : "r"(br), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n"
+                 ::"r"(rs), "f"(a), "f"(b), "r"(rb) : "memory");
+}
 
-// (m, s) pairs: s = sum exp(z - m); the combination of two is exact in the same sense as Triton's
-// online update (s * exp(m_old - m_new) + ...)
-__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
-    float mn = fmaxf(m, m2);
-    if (mn == -INFINITY) return;  // both empty
-    s = s * exp_sweep(m - mn) + s2 * exp_sweep(m2 - mn);
-    m = mn;
+// the (max, sum of exp) of a warp's 32 (m, s) pairs (s = sum exp(z - m)), in every lane: the max by
+// a butterfly, each lane's sum rescaled to it once, then a butterfly sum. Floating-point addition
+// and fmaxf are commutative, so every lane ends with the same bits; lanes with m = -inf hold s = 0
+__device__ __forceinline__ void warp_combine(float& m, float& s) {
+    float mx = m;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float t = mx == -INFINITY ? 0.0f : s * exp_sweep(m - mx);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    m = mx;
+    s = t;
 }
 
 // vime's clipped policy loss for one token: (pg, clipped flag, d pg / d logp); ties as torch
@@ -417,8 +436,14 @@ __device__ __forceinline__ void grpo_one_read(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* srow = reinterpret_cast<T*>(smem_raw);
     __shared__ float warp_m[WARPS], warp_s[WARPS];
-    __shared__ float partial[2];  // this CTA's (m, s): read by the whole cluster
     __shared__ float coef_smem[3];  // (c, c / S, row max) for the write sweep
+    __shared__ int64_t target_smem;  // the row's id, read by thread 0
+    // (bulk loads) stage st's bytes have landed
+    __shared__ __align__(8) uint64_t stage_bar[RLK_STAGES];
+    // (C > 1) the (m, s) of CTA r of the cluster at [r], pushed there by CTA r; exchange_bar completes
+    // when all C have landed
+    __shared__ __align__(8) float2 partials[C];
+    __shared__ __align__(8) uint64_t exchange_bar;
 
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = C == 1 ? 0 : static_cast<int>(cluster.block_rank());
@@ -430,19 +455,25 @@ __device__ __forceinline__ void grpo_one_read(
     const int npieces = (ncols + VEC - 1) / VEC;
     const T* src = logits + row * stride_row + col0;
 
+    if (tid == 0) {
+#if RLK_BULK_LOAD
+#pragma unroll
+        for (int st = 0; st < RLK_STAGES; ++st) mbar_init(&stage_bar[st], 1);
+#endif
+        if (C > 1) mbar_init(&exchange_bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        // the one arrival, with the bytes the C pushes bring: the phase completes when they are all in
+        if (C > 1) mbar_arrive_expect_tx(&exchange_bar, C * static_cast<int>(sizeof(float2)));
+    }
+    __syncthreads();
+    if (C > 1) cluster_arrive_relaxed();
+
     // 1. issue the whole slice's copy, in STAGES groups; a thread later reads exactly the pieces
     //    it copied, so its own wait_group is all the synchronisation the statistics need
     const int per_stage = (npieces + RLK_STAGES - 1) / RLK_STAGES;
 #if RLK_BULK_LOAD
     // one thread issues a bulk copy per stage; every thread waits on the stage's mbarrier. The slice's
     // bytes are whole 16-byte pieces (the caller requires V * itemsize % 16 == 0)
-    __shared__ __align__(8) uint64_t stage_bar[RLK_STAGES];
-    if (tid == 0) {
-#pragma unroll
-        for (int st = 0; st < RLK_STAGES; ++st) mbar_init(&stage_bar[st], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
     if (tid == 0) {
 #pragma unroll
         for (int st = 0; st < RLK_STAGES; ++st) {
@@ -463,24 +494,27 @@ __device__ __forceinline__ void grpo_one_read(
         cp_async_commit();
     }
 #endif
-    const int64_t target = ids[row];
-    const bool ignored = target == ignore_index;
-    const bool owned = target >= 0 && target < vocab;
-    // an id outside the vocab (not ignore_index): NaN terms and dlogits for the row, and a report in
-    // the error word (pinned host memory; kernels/device_errors.py states the layout)
-    const bool bad = !ignored && !owned;
-    if (bad && tid == 0 && rank == 0) {
-        const int64_t v = target < INT_MIN ? INT_MIN : (target > INT_MAX ? INT_MAX : target);
-        error_word[1] = static_cast<int64_t>(row) * 4294967296LL + (v & 4294967295LL);
-        error_word[2] = vocab;
-        __threadfence_system();
-        error_word[0] = call_id * 16 + 1;
-    }
-    // thread 0 forms the loss: its scalar inputs (the target logit, the token's log-probs, advantage
-    // and weight) are loaded now, while the slice is in flight, not after the cluster barrier where
-    // a global round trip would hold up the whole CTA
+    // thread 0 reads the row's id and forms the loss: its scalar inputs (the target logit, the
+    // token's log-probs, advantage and weight) are loaded now, while the slice is in flight, not after
+    // the exchange, where a global round trip would hold up the whole CTA; the other threads read the
+    // id from shared memory before the write sweep (no global load to wait for at the start)
+    bool ignored = false, bad = false;
     float z_t = 0.0f, old = 0.0f, a = 0.0f, rollout = 0.0f, ref = 0.0f, w = 0.0f;
     if (tid == 0) {
+        const int64_t target = ids[row];
+        target_smem = target;
+        ignored = target == ignore_index;
+        const bool owned = target >= 0 && target < vocab;
+        // an id outside the vocab (not ignore_index): NaN terms and dlogits for the row, and a report
+        // in the error word (pinned host memory; kernels/device_errors.py states the layout)
+        bad = !ignored && !owned;
+        if (bad && rank == 0) {
+            const int64_t v = target < INT_MIN ? INT_MIN : (target > INT_MAX ? INT_MAX : target);
+            error_word[1] = static_cast<int64_t>(row) * 4294967296LL + (v & 4294967295LL);
+            error_word[2] = vocab;
+            __threadfence_system();
+            error_word[0] = call_id * 16 + 1;
+        }
         if (owned) z_t = to_f32(logits[row * stride_row + target]);
         old = old_logp[row];
         a = adv[row];
@@ -504,45 +538,25 @@ __device__ __forceinline__ void grpo_one_read(
             stats_stage<T, false>(srow, begin, end, ncols, temperature, m, s);
         }
     }
-    // CTA reduction: warps by shuffles, then warp 0 over the warps
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-        float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-        combine(m, s, m2, s2);
-    }
+    // CTA reduction: each warp's (m, s), then warp 0 over the warps
+    warp_combine(m, s);
     if ((tid & 31) == 0) { warp_m[tid >> 5] = m; warp_s[tid >> 5] = s; }
     __syncthreads();
-    if (tid < 32) {  // warp 0 combines the warps' partials (lane w holds warp w's)
-        float cm = tid < WARPS ? warp_m[tid] : -INFINITY;
-        float cs = tid < WARPS ? warp_s[tid] : 0.0f;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float m2 = __shfl_xor_sync(0xffffffffu, cm, off);
-            const float s2 = __shfl_xor_sync(0xffffffffu, cs, off);
-            combine(cm, cs, m2, s2);
-        }
-        if (tid == 0) {
-            partial[0] = cm;
-            partial[1] = cs;
-        }
-    }
-    // 2. the cluster's statistics: every CTA combines the C partials in the same fixed order
-    if (C > 1) { cluster_arrive(); cluster_wait(); } else { __syncthreads(); }
+    // every CTA of the cluster has initialized exchange_bar (long ago: this wait does not hold)
+    if (C > 1) cluster_wait();
+    // 2. the row's statistics: warp 0 pushes this CTA's (m, s) into every CTA of the cluster, waits
+    //    for the C pairs, and combines them in lane order (the same operations on the same values in
+    //    every CTA, so all C get bit-identical row statistics); no cluster barrier, no fence
     if (tid < 32) {
-        // warp 0 gathers the C partials in parallel (lane r reads rank r), then combines them by a
-        // fixed shuffle tree: the same operations in the same order in every CTA of the cluster
-        float rm = -INFINITY, rs = 0.0f;
-        if (tid < C) {
-            const float* p = C > 1 ? cluster.map_shared_rank(partial, tid) : partial;
-            rm = p[0];
-            rs = p[1];
-        }
-#pragma unroll
-        for (int off = 1; off < C; off <<= 1) {
-            const float m2 = __shfl_down_sync(0xffffffffu, rm, off);
-            const float s2 = __shfl_down_sync(0xffffffffu, rs, off);
-            if ((tid & (2 * off - 1)) == 0) combine(rm, rs, m2, s2);
+        float rm = tid < WARPS ? warp_m[tid] : -INFINITY;
+        float rs = tid < WARPS ? warp_s[tid] : 0.0f;
+        warp_combine(rm, rs);
+        if constexpr (C > 1) {
+            if (tid < C) push_pair(&partials[rank], &exchange_bar, static_cast<unsigned>(tid), rm, rs);
+            mbar_wait_phase0(&exchange_bar);
+            rm = tid < C ? partials[tid].x : -INFINITY;
+            rs = tid < C ? partials[tid].y : 0.0f;
+            warp_combine(rm, rs);
         }
         if (tid == 0) {
             if (scale) z_t = __fdiv_rn(z_t, temperature);
@@ -574,24 +588,13 @@ __device__ __forceinline__ void grpo_one_read(
             coef_smem[2] = rm;
         }
     }
-    // this CTA is done reading the others' partials; its own may still be read until they arrive
-    // too, which the cluster_wait at the very end waits for
-    if (C > 1) cluster_arrive();
+    // every pair pushed into this CTA has landed (warp 0 waited for them), so it may exit after its
+    // sweep: nothing in its shared memory is read or written by another CTA from here on
     __syncthreads();
-    const float c = coef_smem[0];
-    const float c_over_s = coef_smem[1];
-    const float row_max = coef_smem[2];
-    const int64_t local_target = target - col0;
-
+    if (flags & FLAG_STATS_ONLY) return;  // no write sweep
     // 3. dlogits for this slice, from shared memory (write_dlogits)
-    if (flags & FLAG_STATS_ONLY) {  // no write sweep; still wait until no other CTA reads `partial`
-        if (C > 1) cluster_wait();
-        return;
-    }
-    write_dlogits(srow, grad + row * stride_grad + col0, npieces, ncols, scale, temperature, row_max, c, c_over_s,
-                  local_target);
-    // a CTA must not exit while another may still read its shared memory
-    if (C > 1) cluster_wait();
+    write_dlogits(srow, grad + row * stride_grad + col0, npieces, ncols, scale, temperature, coef_smem[2],
+                  coef_smem[0], coef_smem[1], target_smem - col0);
 }
 
 #define RLK_DEFINE(NAME, T, C)                                                                            \
