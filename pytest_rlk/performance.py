@@ -8,7 +8,8 @@ case tags ``op``, ``pass``, ``dtype``, ``shape`` (``size=small`` marks launch-bo
 Our implementations are the impls named ``rlk`` or ``rlk_<variant>``; every other impl is a peer.
 ``hbm_limit*_ms`` (no ``impl`` tag) is the limit of the case; ``rlk_host_overhead_us`` the host
 time per call (the lowest block median; tag ``block_medians_us``: every block's, space-separated;
-optional tag ``host_path``: which host path served the calls). Metrics outside this convention are
+optional tag ``host_path``: which host path served the calls, also on ``rlk_ms`` where the case
+records no host time). Metrics outside this convention are
 not part of the table.
 
 No matplotlib or torch here: the bar chart is drawn by :func:`pytest_rlk.plots.plot_performance`.
@@ -103,6 +104,8 @@ def collect(run: RunRecord) -> list[PerfCase]:
                     case = cases[key] = PerfCase(test.case, *key[1:], variant=_variant(m.tags),
                                                  small=m.tags.get("size") == "small")
                 case.timings[impl] = ImplTiming(impl, scalar_value(m))
+                if impl == OURS_PREFIX and case.host_path is None:
+                    case.host_path = m.tags.get("host_path")
         for m in metrics:
             case = cases.get(_case_key(test.case, m.tags))
             if case is None:
@@ -123,7 +126,7 @@ def collect(run: RunRecord) -> list[PerfCase]:
             elif m.name == f"{OURS_PREFIX}_host_overhead_us":
                 case.host_overhead_us = scalar_value(m)
                 case.host_overhead_slowest_us = slowest_block(m.tags.get("block_medians_us"))
-                case.host_path = m.tags.get("host_path")
+                case.host_path = m.tags.get("host_path") or case.host_path
     return list(cases.values())
 
 
@@ -159,11 +162,12 @@ def peer_names(cases: list[PerfCase]) -> list[str]:
 
 def roofline_rows(cases: list[PerfCase]) -> tuple[list[str], list[list[str]]]:
     """One row per (bandwidth-bound case, our impl): ms, fraction of the HBM limit, the GPU's own
-    time (CUDA-graph replay) and its fraction where recorded, peak extra memory, and per peer its
-    ms in the same run and our speedup over it (peer ms / our ms, both wall times)."""
+    time (CUDA-graph replay) and its fraction where recorded, peak extra memory, the host path that
+    served the default call where recorded, and per peer its ms in the same run and our speedup over
+    it (peer ms / our ms, both wall times)."""
     peers = peer_names([c for c in cases if not c.small])
     headers = ["op", "pass", "shape", "dtype", "variant", "impl", "ms", "HBM limit ms", "of limit",
-               "GPU ms", "GPU of limit", "peak extra"]
+               "GPU ms", "GPU of limit", "peak extra", "host path"]
     for peer in peers:
         headers += [f"{peer} ms", f"vs {peer}"]
     rows = []
@@ -171,12 +175,13 @@ def roofline_rows(cases: list[PerfCase]) -> tuple[list[str], list[list[str]]]:
         for ours in case.ours() or [None]:
             row = [case.op, case.pass_, case.shape, case.dtype, case.variant or "-"]
             if ours is None:
-                row += ["-"] * 7
+                row += ["-"] * 8
             else:
                 limit = case.limit_ms or ours.limit_ms
                 gpu_fraction = limit / ours.graph_ms if limit and ours.graph_ms else None
                 row += [ours.impl, fmt_ms(ours.ms), fmt_ms(limit), fmt_fraction(ours.fraction_of_limit),
-                        fmt_ms(ours.graph_ms), fmt_fraction(gpu_fraction), fmt_bytes(ours.peak_extra_bytes)]
+                        fmt_ms(ours.graph_ms), fmt_fraction(gpu_fraction), fmt_bytes(ours.peak_extra_bytes),
+                        (case.host_path or "-") if ours.impl == OURS_PREFIX else "-"]
             for peer in peers:
                 timing = case.timings.get(peer)
                 row.append(fmt_ms(timing.ms) if timing else "-")

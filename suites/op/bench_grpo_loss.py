@@ -80,7 +80,7 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
         loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
         return torch.autograd.grad(loss, logits)
 
-    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
+    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host_path=grpo_loss_op.host_path)
     # the two-read Triton path in the same run (what serves GPUs without clusters or nvcc)
     monkeypatch.setenv("RLK_GRPO_ONE_READ", "0")
     measure(rlk_metrics, f"{OURS}_two_read", ours, bytes_moved, tags, memory=False)

@@ -53,7 +53,8 @@ def test_bench_logp_forward(rlk_metrics, dtype_name, shape):
     bytes_moved = num_tokens * vocab * dtype_bytes(dtype) + num_tokens * (8 + 4)
     record_limit(rlk_metrics, bytes_moved, tags)
     with torch.no_grad():
-        ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, graph=True)
+        ours = measure(rlk_metrics, OURS, lambda: logp(logits, ids), bytes_moved, tags, graph=True,
+                       host_path=logp_op.host_path)
         compiled = torch.compile(selected_logprob)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logits, ids), bytes_moved, tags)
         measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags)
@@ -89,7 +90,7 @@ def test_bench_logp_forward_backward(rlk_metrics, dtype_name, shape):
     def peer():
         return torch.autograd.grad(compiled(logits, ids), logits, grad)
 
-    measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True)
+    measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host_path=logp_op.host_path)
     measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
     measure_compiled(rlk_metrics, kernels.logp, lambda f: torch.autograd.grad(f(logits, ids), logits, grad),
                      bytes_moved, tags)

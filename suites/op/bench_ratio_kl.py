@@ -34,7 +34,7 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
     record_limit(rlk_metrics, fwd_bytes, {**tags, "pass": "fwd"})
     with torch.no_grad():
         measure(rlk_metrics, OURS, lambda: ratio_kl(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
-                {**tags, "pass": "fwd"}, graph=True)
+                {**tags, "pass": "fwd"}, graph=True, host_path=ratio_kl_op.host_path)
         compiled = torch.compile(reference_ratio_kl)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logp, old, ref, mask, kl_type=kl_type), fwd_bytes,
                 {**tags, "pass": "fwd"})
@@ -50,7 +50,7 @@ def test_bench_ratio_kl(rlk_metrics, kl_type):
     fwd_bwd_bytes = fwd_bytes + 7 * 4 * NUM_TOKENS
     record_limit(rlk_metrics, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"}, name="hbm_limit_fwd_bwd_ms")
     result_ms = measure(rlk_metrics, f"{OURS}_fwd_bwd", fwd_bwd, fwd_bwd_bytes, {**tags, "pass": "fwd+bwd"},
-                        graph=True, gate=True)
+                        graph=True, gate=True, host_path=ratio_kl_op.host_path)
 
     def compiled_fwd_bwd(f):
         ratio, kl = f(leaf, old, ref, mask, kl_type=kl_type)

@@ -74,6 +74,7 @@ def measure(
     graph: bool = False,
     gate: bool | None = None,
     gate_time: bool | None = None,
+    host_path: Callable[[], str] | None = None,
 ) -> float:
     """Time ``fn``, record its median ms, its fraction of the HBM limit (``bytes_moved`` at the
     measured bandwidth) and its peak extra memory; returns the median ms.
@@ -89,7 +90,11 @@ def measure(
     ``graph=True`` also records, beside the wall time, ``<impl>_graph_ms`` (one CUDA-graph replay
     of ``fn``: the GPU's own time, no host time) and ``<impl>_wall_over_graph`` (how much host
     time shows in the plain call: the goal is <= 1.03 at [8192, 151936], <= 1.15 at [4096, 32000]),
-    neither gated. If ``fn`` cannot be captured, the tag ``graph_capture`` says why."""
+    neither gated. If ``fn`` cannot be captured, the tag ``graph_capture`` says why.
+
+    ``host_path`` (an op module's ``host_path``) tags every metric of this measurement with the
+    path that serves the warmed call (``c++``, or ``python`` and why), so that a wall time far above
+    its graph replay can be told apart from a fall back to the Python path."""
     if gate is None:
         gate = impl == OURS
     gate_time = gate if gate_time is None else gate and gate_time
@@ -99,6 +104,8 @@ def measure(
     limit_ms = bytes_moved / hbm_bytes_per_s() * 1e3
     fraction = limit_ms / result.median_ms
     all_tags = {**tags, "impl": impl, "gpu": torch.cuda.get_device_name()}
+    if host_path is not None:
+        all_tags["host_path"] = host_path()
     if graph:
         graph_ms, why = graph_replay_ms(fn)
         if graph_ms is None:

@@ -53,7 +53,7 @@ def synthetic_run(tag: str = "h100", run_id: str = "20261122T000000Z-perf") -> R
                           tier="op", artifact_root=None)
     tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": "bf16", "shape": "8192x151936"}
     grpo.record("hbm_limit_ms", 1.65, unit="ms", direction="two_sided", space="time", tags=tags, gate=False)
-    _bench(grpo, "rlk", 1.80, 1.65, tags, 2.49e9)
+    _bench(grpo, "rlk", 1.80, 1.65, {**tags, "host_path": "c++"}, 2.49e9)
     grpo.record("rlk_graph_ms", 1.70, unit="ms", direction="lower_is_better", space="time",
                 tags={**tags, "impl": "rlk", "gpu": GPU})
     _bench(grpo, "rlk_inplace", 1.75, 1.65, tags, 0.0)
@@ -96,6 +96,9 @@ def test_collect_and_rows_follow_the_bench_convention():
     # the CUDA-graph time (GPU only) where recorded, "-" where not
     assert grpo["GPU ms"] == "1.7" and grpo["GPU of limit"] == "97.1%"
     assert by_impl[("grpo_loss", "rlk_inplace")]["GPU ms"] == "-"
+    # the path that served the default call, where its wall time recorded one (not a variant)
+    assert grpo["host path"] == "c++" and grpo["variant"] == "-"
+    assert by_impl[("grpo_loss", "rlk_inplace")]["host path"] == "-" and by_impl[("logp", "rlk")]["host path"] == "-"
 
 
 def test_ratio_kl_layout_two_passes_in_one_test():
@@ -123,7 +126,7 @@ def test_report_has_the_table_and_a_bar_chart(tmp_path):
     assert cli.main(["report", str(run_dir)]) == 0
     report = (run_dir / "report" / "report.md").read_text()
     assert "## Performance (roofline)" in report
-    assert "| logp | fwd | 8192x151936 | bf16 | - | rlk | 0.85 | 0.82 | 96.5% | - | - | 1.02 kB | 0.86 | 1.01x | 1.73 | 2.04x |" in report
+    assert "| logp | fwd | 8192x151936 | bf16 | - | rlk | 0.85 | 0.82 | 96.5% | - | - | 1.02 kB | - | 0.86 | 1.01x | 1.73 | 2.04x |" in report
     assert "| logp | fwd | 1x151936 | bf16 | rlk | 0.012 | 14.5 | 21.2 | c++ |" in report
     png = run_dir / "report" / "performance_ms.png"
     assert "performance_ms.png" in report and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
