@@ -5,10 +5,11 @@
 // [r * slice, (r + 1) * slice), from HBM into its shared memory once (one bulk copy per stage,
 // STAGES of them, each completing on its own mbarrier, so the statistics start on the first stage
 // while the rest is in flight). Then:
-//   1. each CTA reduces its slice to (max, sum of exp) and publishes it in shared memory;
-//   2. after a cluster barrier every CTA reads the C partials through distributed shared memory
-//      and combines them in a fixed tree order (the same in every CTA, so all C get bit-identical
-//      row statistics), and forms logp, the token's loss terms and c = dL/dlogp;
+//   1. each CTA reduces its slice to (max, sum of exp);
+//   2. it pushes that pair into the shared memory of every CTA of the cluster (st.async, completing
+//      on the receiver's mbarrier: no cluster barrier and no fence on the way), waits for the C
+//      pairs, combines them in lane order (the same in every CTA, so all C get bit-identical row
+//      statistics), and forms logp, the token's loss terms and c = dL/dlogp;
 //   3. each CTA writes dlogits = c * (onehot - exp(z - m) / S) [/ temperature] for its slice
 //      from the copy still in shared memory, in the logits dtype (one rounding), with the loss's
 //      gradient folded into c: the caller's prediction of it (grad_pred, see below).
