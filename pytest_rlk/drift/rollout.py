@@ -64,7 +64,7 @@ def run_rollouts(jobs: list[dict], work_dir: Path, *, timeout_s: float = TIMEOUT
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
     env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
     # the child imports this checkout's pytest_rlk, whatever else is installed
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = pythonpath_first(PACKAGE_ROOT, environ=env)
     cmd = [sys.executable, "-m", "pytest_rlk.drift.rollout", "--jobs", str(jobs_file)]
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

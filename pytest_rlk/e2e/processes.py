@@ -33,6 +33,17 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
         return "".join(deque(fh, maxlen=lines)).rstrip("\n")
 
 
+def pythonpath_first(*front: str | Path, environ: dict[str, str] | None = None) -> str:
+    """PYTHONPATH for a child process that must import ``front`` first (this checkout, a vime tree,
+    Megatron-LM) and still import what the caller's own PYTHONPATH provides (``environ``, default
+    ``os.environ``): packages installed with ``pip --target``, a user's other checkouts. Replacing
+    the caller's PYTHONPATH instead leaves the child without them (a ModuleNotFoundError in its
+    log, not in the caller's)."""
+    inherited = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+    entries = [str(p) for p in front] + [p for p in inherited.split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     """`count` distinct ports free on `host` now (all held open together while choosing)."""
     sockets: list[socket.socket] = []

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_rlk import storage
-from pytest_rlk.e2e.processes import die_with_parent, end_session
+from pytest_rlk.e2e.processes import die_with_parent, end_session, pythonpath_first
 from pytest_rlk.manifest import utc_now
 from pytest_rlk.session import merge_run
 
@@ -122,7 +122,7 @@ def run_node_job(job: NodeJob, work_dir: Path | None = None) -> Iterator[dict]:
     cwd = Path(job.suite_root) if job.suite_root else Path.cwd()
     argv = [sys.executable, "-m", "pytest", *job.pytest_args, f"--rlk-artifacts={runs}"]
     env = {**os.environ, **job.env}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(cwd), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = pythonpath_first(cwd, environ=env)
     yield {"kind": "started", "host": socket.gethostname(), "pid": os.getpid(), "argv": argv, "utc": utc_now()}
     sync = FileSync(work)
     proc = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -77,6 +78,17 @@ def _trl_plan_arm(line: str) -> tuple[str, dict[str, str], list[str]]:
     return tokens[1], dict(t.split("=", 1) for t in rest[:n_env]), rest[n_env:]
 
 
+def test_trl_arms_import_this_checkout_first_and_keep_the_callers_pythonpath(monkeypatch, capsys):
+    """Packages the caller reaches through PYTHONPATH (pip --target, as on the GPU machines) stay
+    importable in the arms: the checkout comes first, the caller's entries after it."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/extra-site", "/opt/other"]))
+    assert rlk_main(["e2e", "plan", TRL_SPECS[0].stem]) == 0
+    arms = [_trl_plan_arm(line) for line in capsys.readouterr().out.splitlines() if line.startswith("cd ")]
+    assert len(arms) == 2
+    for workdir, env, _ in arms:
+        assert env["PYTHONPATH"] == os.pathsep.join([workdir, "/opt/extra-site", "/opt/other"])
+
+
 @pytest.mark.parametrize("path", TRL_SPECS, ids=lambda p: p.stem)
 def test_trl_plan_prints_both_arms_identical_except_the_kernel_switch(path, capsys):
     """`rlk e2e plan` of a TRL spec: the two subprocess command lines run_ab would start."""
@@ -85,7 +97,7 @@ def test_trl_plan_prints_both_arms_identical_except_the_kernel_switch(path, caps
     spec = load_spec(path)
     (b_dir, b_env, b_argv), (k_dir, k_env, k_argv) = (
         _trl_plan_arm(line) for line in out.splitlines() if line.startswith("cd "))
-    assert b_dir == k_dir and b_env["PYTHONPATH"] == b_dir
+    assert b_dir == k_dir and b_env["PYTHONPATH"].split(os.pathsep)[0] == b_dir
     assert {k: v for k, v in k_env.items() if k not in spec.kernel_switch.env} == b_env
     assert all(k_env[k] == v and k not in b_env for k, v in spec.kernel_switch.env.items())
     assert b_argv[1:5] == ["-m", "pytest_rlk.e2e.engines.trl.child", "--spec", f"{RUN_DIR}/spec.json"]

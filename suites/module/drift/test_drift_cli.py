@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pytest_rlk.drift import cli
+from pytest_rlk.e2e.processes import pythonpath_first
 from suites.module import tiny
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,11 +33,11 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.mark.tiny
 def test_drift_command_writes_table_plot_and_json(model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIME_RL_KERNEL")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = pythonpath_first(ROOT, environ=env)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pytest_rlk.drift", str(model_dir), "--no-rollout", "--rungs", "A0,A1,A3,A5",
            "--prompts", str(model_dir.parent / "prompts.json"), "--n", "2", "--max-tokens", "8",
-           "--temperature", "0.7", "--device", "cpu", "--out", str(out)]
+           "--temperature", "0.7", "--device", "auto", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

@@ -21,6 +21,7 @@ from pytest_rlk.e2e.engine import ArmLayout, ArmReading, ReportExtras, RunContex
 from pytest_rlk.e2e.engines.trl.series import progress_from_line, read_run_info, read_series
 from pytest_rlk.e2e.engines.trl.settings import TINY_PREFIX, TrlSettings
 from pytest_rlk.e2e.launcher import ArmResult, LaunchConfig
+from pytest_rlk.e2e.processes import pythonpath_first
 from pytest_rlk.e2e.report import NO_MOE_CLAIM
 from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane, SpecError
 
@@ -73,7 +74,7 @@ class TrlEngine:
         settings = _settings(spec)
         commands = []
         for role in ("baseline", "kernels"):
-            env = {**settings.env, **(spec.kernel_switch.env if role == "kernels" else {}), "PYTHONPATH": ctx.repo_root}
+            env = {**settings.env, **(spec.kernel_switch.env if role == "kernels" else {}), "PYTHONPATH": pythonpath_first(ctx.repo_root)}
             lane_args = ["--arm", role, "--out", layout.dirs[role]]
             argv = [sys.executable, "-m", CHILD_MODULE, "--spec", layout.spec_file, *lane_args]
             if role == "kernels":

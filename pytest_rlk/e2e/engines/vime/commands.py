@@ -25,6 +25,7 @@ from pathlib import Path
 from pytest_rlk.e2e.arms import ArmCommand
 from pytest_rlk.e2e.engines.vime.settings import LOSS_HOOK_ARGS, VimeSettings
 from pytest_rlk.e2e.placeholders import RUN_DIR_PLACEHOLDER
+from pytest_rlk.e2e.processes import pythonpath_first
 from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane, SpecError
 
 # What `plan` prints where no --vime-root was given.
@@ -113,7 +114,7 @@ def shared_env(spec: ABSpec, *, vime_root: str, suite_root: str) -> dict[str, st
     vime = _settings(spec)
     env = {
         # vime, Megatron-LM, and this suite (for kernels.integrations.vime) in the Ray workers.
-        "PYTHONPATH": ":".join([vime_root, vime.megatron_path, suite_root]),
+        "PYTHONPATH": pythonpath_first(vime_root, vime.megatron_path, suite_root),
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     }
     if vime.deterministic:
