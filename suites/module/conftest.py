@@ -34,12 +34,14 @@ def kernels_arm(monkeypatch):
     """``kernels_arm(True|False)``: our Triton kernels, or the same code paths on the fp32 reference
     backend (strict, so a fallback fails loudly). The reference arm keeps the kernels switch on with
     ``VIME_RL_KERNEL_BACKEND=reference``: with the switch off the vime adapter hands its calls to vime's
-    own loss, which is not installed here."""
+    own loss, which is not installed here. ``kernels_arm("name or module:factory")`` selects another
+    backend the same way (a control arm)."""
     import kernels
 
-    def switch(on: bool) -> None:
+    def switch(on: bool | str) -> None:
+        backend = on if isinstance(on, str) else ("rlk-triton" if on else "reference")
         monkeypatch.setenv("VIME_RL_KERNEL", "1")
-        monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "rlk-triton" if on else "reference")
+        monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", backend)
         monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
         kernels.reset_fallback_counts()
 
