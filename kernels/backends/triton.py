@@ -2,7 +2,8 @@
 
 Runs on CUDA tensors, and on CPU tensors only through the Triton interpreter, which must have been
 switched on (``TRITON_INTERPRET=1``) before ``kernels.ops`` was first imported in this process:
-``triton.jit`` picks compiled or interpreted when a kernel is defined.
+``triton.jit`` picks compiled or interpreted when a kernel is defined; and which must work in this
+environment (``interpreter_fails``: a probe kernel, run once).
 """
 
 from __future__ import annotations
@@ -26,6 +27,42 @@ def _triton_missing() -> str | None:
         importlib.import_module("triton")
     except ImportError as exc:  # the package is optional at import time of kernels
         return f"triton not importable ({exc})"
+    return None
+
+
+@functools.cache
+def interpreter_fails() -> str | None:
+    """Why Triton's CPU interpreter cannot run our kernels in this environment, or None: a kernel of
+    the constructs ours use (a loop over a runtime int, masked loads, a reduction, a store) run once
+    on CPU tensors. The known case: numpy >= 2.4 under a Triton whose interpreter turns a loop bound
+    into an int with ``int(one-element array)`` (triton-lang/triton issue 9171), where every such
+    kernel raises an InterpreterError deep inside the op. Meaningful where the interpreter is on
+    in this process (``TRITON_INTERPRET=1`` before triton's first kernel)."""
+    if not _interpreter_active():
+        return "Triton's interpreter is off in this process (TRITON_INTERPRET unset when it started)"
+    import os
+
+    import numpy
+    import torch
+    import triton
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when the probe kernel is defined
+    try:
+        probe = importlib.import_module("kernels.backends.interpreter_probe").probe
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    out = torch.zeros(1)
+    where = f"Triton {triton.__version__}'s interpreter with numpy {numpy.__version__}"
+    try:
+        probe[(1,)](torch.ones(10), out, 10, BLOCK=4)
+    except Exception as exc:  # noqa: BLE001 (whatever the interpreter raises is the reason)
+        return f"{where} fails on a probe kernel: {type(exc).__name__}: {exc}"
+    if float(out[0]) != 10.0:
+        return f"{where} sums ten ones to {float(out[0])} in a probe kernel"
     return None
 
 
@@ -65,10 +102,12 @@ class TritonBackend(BaseBackend):
         if missing is not None:
             return missing
         device = case.get("device")
-        if device is not None and str(device).startswith("cpu") and not _interpreter_active():
-            if "kernels.ops" in sys.modules and settings.TRITON_INTERPRET.get() == "1":
-                return "no CUDA device; TRITON_INTERPRET=1 was set after kernels.ops was imported"
-            return "no CUDA device and TRITON_INTERPRET unset"
+        if device is not None and str(device).startswith("cpu"):
+            if not _interpreter_active():
+                if "kernels.ops" in sys.modules and settings.TRITON_INTERPRET.get() == "1":
+                    return "no CUDA device; TRITON_INTERPRET=1 was set after kernels.ops was imported"
+                return "no CUDA device and TRITON_INTERPRET unset"
+            return interpreter_fails()
         return None
 
     def get(self, op: str) -> Callable[..., Any]:

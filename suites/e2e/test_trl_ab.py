@@ -120,7 +120,9 @@ class _EveryFourthRollout(LineProgress):
 
 
 @pytest.fixture(scope="module")
-def dense_cpu_ab(tmp_path_factory, rlk_progress) -> ABRun:
+def dense_cpu_ab(tmp_path_factory, rlk_progress, cpu_kernels_reason) -> ABRun:
+    if cpu_kernels_reason:
+        pytest.skip(f"the CPU lane's kernels arm cannot run here: {cpu_kernels_reason}")
     out = tmp_path_factory.mktemp("trl_ab_dense_cpu")
     spec = load_spec(DENSE_CPU)
     with rlk_progress.step(f"TRL GRPO A/B {DENSE_CPU.stem}: baseline, kernels and a perturbed arm "
@@ -266,9 +268,13 @@ def test_vllm_weight_sync_patch_is_version_guarded():
 @pytest.mark.cpu
 @pytest.mark.tiny
 @pytest.mark.moe
-def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys, rlk_progress):
+def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metrics, capsys, rlk_progress,
+                                                            cpu_kernels_reason):
     """`rlk e2e run <shipped MoE case>`: the CLI hands the TRL spec to this engine end to end."""
     from pytest_rlk.cli import main as rlk_main
+
+    if cpu_kernels_reason:
+        pytest.skip(f"the CPU lane's kernels arm cannot run here: {cpu_kernels_reason}")
 
     out = tmp_path / "run"
     with rlk_progress.step(f"rlk e2e run {MOE_CPU.stem} (TRL GRPO A/B, 55-70 s on 2 cores; arm logs under {out})"):

@@ -185,3 +185,49 @@ def test_no_cuda_no_interpreter_falls_back_in_a_real_process():
     assert "no CUDA device and TRITON_INTERPRET unset" in result["strict"]
     warning_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kernels:")]
     assert warning_lines == ["kernels: logp falls back to reference: no CUDA device and TRITON_INTERPRET unset"]
+
+
+_INTERPRETER_PROBE_SCRIPT = """
+import json, torch, kernels
+from kernels.backends import get_backend
+from kernels.backends.triton import interpreter_fails
+reason = interpreter_fails()
+result = {"reason": reason, "supports": get_backend("rlk-triton").supports("logp", device=torch.device("cpu"))}
+try:
+    kernels.logp(torch.randn(4, 40), torch.randint(0, 40, (4,)))
+    result["ran"] = True
+except Exception as exc:
+    result["ran"] = False
+    result["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(result))
+"""
+
+
+def test_interpreter_probe_agrees_with_an_op_on_cpu_tensors():
+    """In a process with the interpreter on: where the probe kernel runs, an op runs on CPU tensors
+    through it; where it fails (numpy >= 2.4 under Triton 3.6's interpreter, the GPU machines'
+    image), the backend reports the probe's reason and a strict call raises it, naming it, instead
+    of an InterpreterError from inside the op."""
+    from pytest_rlk.e2e.processes import pythonpath_first
+
+    env = dict(os.environ, TRITON_INTERPRET="1", VIME_RL_KERNEL="1", VIME_RL_KERNEL_STRICT="1",
+               VIME_RL_KERNEL_BACKEND="rlk-triton", PYTHONPATH=pythonpath_first(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE_SCRIPT], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["supports"] == result["reason"]
+    if result["reason"] is None:
+        assert result["ran"], result
+    else:
+        assert not result["ran"] and result["reason"] in result["error"], result
+
+
+def test_a_failing_interpreter_probe_is_the_backends_reason_on_cpu(monkeypatch):
+    from kernels.backends import triton as triton_backend
+
+    if not triton_backend._interpreter_active():
+        pytest.skip("the interpreter is off in this process (the GPU lane): the probe is not consulted")
+    monkeypatch.setattr(triton_backend, "interpreter_fails", lambda: "the probe kernel failed (test)")
+    assert triton_backend.TritonBackend().supports("logp", device=torch.device("cpu")) == "the probe kernel failed (test)"
+    assert triton_backend.TritonBackend().supports("logp", device=torch.device("cuda")) is None
