@@ -40,21 +40,12 @@ def interpreter_fails() -> str | None:
     in this process (``TRITON_INTERPRET=1`` before triton's first kernel)."""
     if not _interpreter_active():
         return "Triton's interpreter is off in this process (TRITON_INTERPRET unset when it started)"
-    import os
-
     import numpy
     import torch
     import triton
 
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # triton.jit reads it when the probe kernel is defined
-    try:
-        probe = importlib.import_module("kernels.backends.interpreter_probe").probe
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    # defined now, with the interpreter on (triton.jit reads it when a kernel is defined)
+    probe = importlib.import_module("kernels.backends.interpreter_probe").probe
     out = torch.zeros(1)
     where = f"Triton {triton.__version__}'s interpreter with numpy {numpy.__version__}"
     try:

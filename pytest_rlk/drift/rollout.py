@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from pytest_rlk.e2e.processes import pythonpath_first
+
 TIMEOUT_S = 900  # two tiny models take ~60 s on 2 idle cores; a heavily shared host is several times slower
 TAIL_LINES = 40
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
