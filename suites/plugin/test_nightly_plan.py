@@ -142,9 +142,7 @@ def test_node_job_runs_pytest_and_sends_its_run(pytester, monkeypatch):
 
 def test_node_job_timeout_stops_pytest_and_keeps_the_partial_run(pytester, monkeypatch):
     monkeypatch.setenv("TINY_SLEEP", "60")
-    # 12 s: time for the child pytest to start and finish two tests on a loaded 2-core machine before
-    # the stop (with less, the Ctrl-C could land before the run has begun)
-    messages, dest = _job_messages(pytester, monkeypatch, timeout_s=12.0, sync_interval_s=0.5, stop_grace_s=10.0)
+    messages, dest = _job_messages(pytester, monkeypatch, timeout_s=4.0, sync_interval_s=0.5, stop_grace_s=10.0)
     final = messages[-1]
     assert final["kind"] == "finished" and final["timed_out"]
     run = storage.load_run(dest / final["run_dir"] / "run.json")
