@@ -130,8 +130,12 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 def die_with_parent() -> None:
     """A `preexec_fn` (between fork and exec): the child gets SIGTERM when the process that
     started it dies, so a killed parent (a Ray worker on a node that died) leaves nothing running;
-    and no blocked signals (Ray workers block SIGINT, and the mask survives exec: the child would
-    not hear a Ctrl-C that asks it to stop)."""
+    and the child hears a Ctrl-C that asks it to stop. Both a blocked SIGINT (Ray workers block it)
+    and an ignored one (a shell without job control starts `cmd &` with SIGINT ignored: cron, nohup,
+    CI scripts) survive exec, and a Python started with SIGINT ignored never installs its
+    KeyboardInterrupt handler, so pytest would die by the later SIGTERM without ending its run."""
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        # libc's signal(), not signal.signal: this may run in a forked non-main thread
+        _LIBC.signal(signal.SIGINT, 0)  # SIG_DFL
     signal.pthread_sigmask(signal.SIG_SETMASK, [])

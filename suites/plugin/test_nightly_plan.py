@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import tarfile
 
 import pytest
@@ -140,9 +141,17 @@ def test_node_job_runs_pytest_and_sends_its_run(pytester, monkeypatch):
     assert "3 passed" in (dest / "pytest.log").read_text()
 
 
-def test_node_job_timeout_stops_pytest_and_keeps_the_partial_run(pytester, monkeypatch):
+@pytest.mark.parametrize("caller_sigint", ["default", "ignored"])
+def test_node_job_timeout_stops_pytest_and_keeps_the_partial_run(pytester, monkeypatch, caller_sigint):
+    """``ignored``: the driver itself was started as ``cmd &`` by a shell without job control (cron,
+    nohup, a CI script), which leaves SIGINT ignored in it and, through exec, in its children."""
     monkeypatch.setenv("TINY_SLEEP", "60")
-    messages, dest = _job_messages(pytester, monkeypatch, timeout_s=4.0, sync_interval_s=0.5, stop_grace_s=10.0)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if caller_sigint == "ignored" else None
+    try:
+        messages, dest = _job_messages(pytester, monkeypatch, timeout_s=4.0, sync_interval_s=0.5, stop_grace_s=10.0)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     final = messages[-1]
     assert final["kind"] == "finished" and final["timed_out"]
     run = storage.load_run(dest / final["run_dir"] / "run.json")
