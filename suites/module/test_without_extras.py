@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pytest_rlk.e2e.processes import pythonpath_first
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("transformers", "tokenizers", "vllm", "megatron", "ray", "trl", "datasets", "liger_kernel")
 BLOCKER = '''
@@ -34,7 +36,7 @@ FILES = ("suites/module/test_training_step.py", "suites/module/test_vllm_drift.p
 def test_tiers_skip_what_needs_a_missing_extra(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "RLK_TEST_BLOCK_MODULES": ",".join(BLOCKED),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": pythonpath_first(tmp_path, ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", *FILES, "--rlk-tier=module,e2e", "--rlk-platform=cpu", "-q", "-rs",
          "-p", "no:cacheprovider", "--rlk-artifacts", str(tmp_path / "runs")],

@@ -18,6 +18,7 @@ import kernels
 from kernels import backends, dispatch
 from kernels.backends.base import BaseBackend, Capabilities
 from kernels.reference import selected_logprob
+from pytest_rlk.e2e.processes import pythonpath_first
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,7 +174,7 @@ print(json.dumps(result))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA, no-interpreter case needs a CPU-only machine")
 def test_no_cuda_no_interpreter_falls_back_in_a_real_process():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(VIME_RL_KERNEL="1", PYTHONPATH=str(REPO_ROOT))
+    env.update(VIME_RL_KERNEL="1", PYTHONPATH=pythonpath_first(REPO_ROOT, environ=env))
     env.pop("VIME_RL_KERNEL_STRICT", None)
     proc = subprocess.run(
         [sys.executable, "-c", _NO_INTERPRETER_SCRIPT], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
@@ -208,8 +209,6 @@ def test_interpreter_probe_agrees_with_an_op_on_cpu_tensors():
     through it; where it fails (numpy >= 2.4 under Triton 3.6's interpreter, the GPU machines'
     image), the backend reports the probe's reason and a strict call raises it, naming it, instead
     of an InterpreterError from inside the op."""
-    from pytest_rlk.e2e.processes import pythonpath_first
-
     env = dict(os.environ, TRITON_INTERPRET="1", VIME_RL_KERNEL="1", VIME_RL_KERNEL_STRICT="1",
                VIME_RL_KERNEL_BACKEND="rlk-triton", PYTHONPATH=pythonpath_first(REPO_ROOT))
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE_SCRIPT], env=env, cwd=REPO_ROOT,

@@ -26,6 +26,7 @@ from kernels.ops import INTERPRETED, value_checks
 from kernels.ops import linear_logp as op_module
 from kernels.ops.linear_logp import linear_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
+from pytest_rlk.e2e.processes import pythonpath_first
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ODD_VOCAB = 1031  # prime: every tile size leaves a partial last tile
@@ -433,7 +434,7 @@ def test_triton_kernels_compile_for_sm_90a():
     can still reject. A real process, without TRITON_INTERPRET (which this tier sets)."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = pythonpath_first(root, environ=env)
     proc = subprocess.run([sys.executable, str(root / "suites/op/probe_linear_logp.py"), "--compile-check"],
                           check=False, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     compiled = [line for line in proc.stdout.splitlines() if line.startswith(("ok ", "FAILED "))]

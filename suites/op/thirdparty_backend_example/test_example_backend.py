@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_rlk.e2e.processes import pythonpath_first
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 FACTORY = "rlk_example_backend.backend:make_backend"
@@ -29,8 +31,7 @@ SMALL_ONLY = "not full"
 
 def _env(extra_path: Path | None = None, **overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIME_RL_KERNEL")}
-    paths = [str(p) for p in (extra_path, HERE, ROOT) if p is not None]
-    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = pythonpath_first(*(p for p in (extra_path, HERE, ROOT) if p is not None), environ=env)
     env.update(overrides)
     return env
 
