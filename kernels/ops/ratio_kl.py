@@ -6,15 +6,18 @@ Backward (to ``logp`` only): ``g_ratio * ratio + g_kl * dkl/dlogp * mask``, reco
 inputs (nothing [T]-sized is saved beyond the inputs). ``kl_value_and_grad`` is the KL math shared
 with the fused GRPO loss kernel. The kernels read the mask in its own dtype (no converted copy).
 
-Host time: small calls are launch-bound, so the kernels launch through ``kernels.launch`` and a
-call with nothing to differentiate skips ``autograd.Function``. Such a call, in the common case
-(plain contiguous CUDA tensors on the current device, the usual dtypes), takes the host path
-``kernels/ops/host/ratio_kl_forward.cpp``: one C++ call that checks, allocates and launches the
-forward kernel this module compiled and registered for the same key. Anything else, or a call
-whose kernel is not registered yet, runs the Python path below. ``ratio_kl(...)`` tries the host
-path before the contract's Python checks (it checks what it relies on itself and declines the
-rest, whose checks then name the bad input); ``ratio_kl_call(call)`` serves an already checked
-call (the dispatched path).
+Host time: the op is elementwise, so its host time weighs: a call of a few tokens is all host time,
+and a forward+backward of millions of tokens (~0.2 ms on the GPU) is host-bound through
+autograd.Function. A common-case call (plain contiguous CUDA tensors on the current device, the
+usual dtypes; with a gradient, 16-byte aligned inputs) takes the host path
+``kernels/ops/host/ratio_kl_elementwise.cpp``: one C++ call that checks, allocates and launches the
+forward kernel this module compiled and registered for the same key, and where a gradient is
+wanted attaches a C++ autograd node that launches the registered backward kernel. Anything else,
+or a call whose kernels are not registered yet, runs the Python path below (which launches through
+``kernels.launch``, and skips ``autograd.Function`` when there is nothing to differentiate).
+``ratio_kl(...)`` tries the host path before the contract's Python checks (it checks what it relies
+on itself and declines the rest, whose checks then name the bad input); ``ratio_kl_call(call)``
+serves an already checked call (the dispatched path).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def _grid(n: int) -> tuple[int]:
 
 _FWD = CachedLaunch(_ratio_kl_fwd_kernel)
 _BWD = CachedLaunch(_ratio_kl_bwd_kernel)
-_HOST = HostModule("ratio_kl_forward")
+_HOST = HostModule("ratio_kl_elementwise")
 
 
 def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
@@ -137,25 +140,20 @@ def _forward(logp, old_logp, ref_logp, mask, kl_code, unbiased):
 
 
 def _register_host(cache_key: tuple, logp, old_logp, ref_logp, mask, kl_code, unbiased) -> None:
-    """Give the host path the kernel these inputs just launched (kept under the host path's own
-    key, which must tell apart what Triton specializes: LaunchKeyError if it maps two kernels
+    """Give the host path the forward kernel these inputs just launched (kept under the host path's
+    own key, which must tell apart what Triton specializes: LaunchKeyError if it maps two kernels
     onto one key; every keyed call checks that under RLK_VERIFY_LAUNCH_KEYS=1)."""
     native = _FWD.native_launch(cache_key)  # a compiled (so CUDA) kernel, or None
-    if native is None:
-        return
-    module = _HOST.registry()  # built on the first registration; None (said once) if it cannot be
-    if module is None:
-        return
-    function, threads, shared, params = native
-    stored = module.register(logp, old_logp, ref_logp, mask, kl_code, unbiased, cache_key[0], function,
-                             ELEMENTWISE_BLOCK, threads, shared, params)
-    _HOST.registered(stored, f"this call's kernel {cache_key[1]!r} (T={logp.shape[0]}, dtypes "
-                             f"{old_logp.dtype}/{ref_logp.dtype}/{mask.dtype})")
+    module = _HOST.registry() if native is not None else None  # built on the first registration
+    if module is not None:
+        stored = module.register_forward(logp, old_logp, ref_logp, mask, kl_code, unbiased, ELEMENTWISE_BLOCK, native)
+        _HOST.registered(stored, f"this call's forward kernel {cache_key[1]!r} (T={logp.shape[0]}, dtypes "
+                                 f"{old_logp.dtype}/{ref_logp.dtype}/{mask.dtype})")
 
 
 def host_path() -> str:
-    """Which path no-grad calls take now: ``c++`` (the host path holds a kernel), or ``python``
-    and why not (for benchmark tags)."""
+    """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
+    ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
     return _HOST.path_label()
 
 
@@ -179,23 +177,24 @@ def ratio_kl_backward(logp, old_logp, ref_logp, mask, g_ratio, g_kl, kl_code: in
     g_kl = torch.zeros_like(logp) if g_kl is None else g_kl.contiguous()
     grad = torch.empty_like(logp)
     n = logp.shape[0]
-    _BWD.launch(
+    native = _BWD.launch_native(
         _grid(n), logp, old_logp, ref_logp, mask, g_ratio, g_kl, grad, n,
         BLOCK=ELEMENTWISE_BLOCK, KL_TYPE=kl_code, UNBIASED=unbiased,
     )
+    module = _HOST.registry() if native is not None else None
+    if module is not None:
+        # the host path's node launches this kernel for later calls (aligned inputs only: None otherwise)
+        _HOST.registered(module.register_backward(logp, old_logp, ref_logp, mask, g_ratio, g_kl, kl_code, unbiased,
+                                                  ELEMENTWISE_BLOCK, native), "this call's backward kernel")
     return grad
 
 
 def _host_path(logp, old_logp, ref_logp, mask, code: int, unbiased: bool):
     """(ratio, kl) from the C++ host path, or None where it declines (or holds no kernel yet)."""
     host_forward = _HOST.forward
-    if host_forward is None:
+    if host_forward is None or launch.fast_path_now() is None:
         return None
-    runtime = launch.fast_path_now()
-    if runtime is None:
-        return None
-    device = runtime.get_device()
-    return host_forward(logp, old_logp, ref_logp, mask, code, unbiased, device, runtime.get_stream(device))
+    return host_forward(logp, old_logp, ref_logp, mask, code, unbiased)
 
 
 def ratio_kl_call(call: RatioKLCall) -> tuple[torch.Tensor, torch.Tensor]:

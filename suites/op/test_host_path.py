@@ -54,34 +54,41 @@ def _cpu_inputs(n=16):
 def test_host_module_declines_what_is_not_the_common_case():
     module = _host_module_or_skip()
     inputs = _cpu_inputs()
-    # CPU tensors, other objects, a bad KL code: None (the Python path decides and explains)
-    assert module.forward(*inputs, 3, False, 0, 0) is None
-    assert module.forward("logp", *inputs[1:], 3, False, 0, 0) is None
-    assert module.forward(*inputs, 9, False, 0, 0) is None
-    assert module.forward(*inputs, 3, "no", 0, 0) is None
-    assert module.register(*inputs, 3, False, 0, 1, 1024, 128, 0, "PPPPPPi") is None  # nothing to store
-    with pytest.raises(TypeError, match="forward takes 8 arguments, got 4"):
+    native = (1, 128, 0, "PPPPPPi")
+    served = module.served()  # earlier tests in this process may have been served
+    # CPU tensors, other objects, a bad KL code or flag: None (the Python path decides and explains)
+    assert module.forward(*inputs, 3, False) is None
+    assert module.forward("logp", *inputs[1:], 3, False) is None
+    assert module.forward(*inputs, 9, False) is None
+    assert module.forward(*inputs, "3", False) is None
+    assert module.forward(*inputs, 3, "no") is None
+    assert module.register_forward(*inputs, 3, False, 1024, native) is None  # nothing to store
+    assert module.register_backward(*inputs, torch.ones(16), torch.ones(16), 3, False, 1024, native) is None
+    with pytest.raises(TypeError, match="forward takes 6 arguments, got 4"):
         module.forward(*inputs)
-    with pytest.raises(TypeError, match="register takes 12 arguments, got 6"):
-        module.register(*inputs, 3, False)
+    with pytest.raises(TypeError, match="register_forward takes 8 arguments, got 6"):
+        module.register_forward(*inputs, 3, False)
+    with pytest.raises(TypeError, match="register_backward takes 10 arguments, got 1"):
+        module.register_backward(inputs[0])
+    assert module.served() == served
 
 
 def test_a_host_module_turns_the_forward_on_with_the_first_kernel_stored_and_refuses_a_clash():
-    host = HostModule("ratio_kl_forward")
+    host = HostModule("ratio_kl_elementwise")
     module = _host_module_or_skip(host)
     assert host.forward is None and host.path_label() == "python (no kernel registered)"
     host.registered(None, "this call's kernel")  # not a common case: nothing stored
     assert host.forward is None
     host.registered(True, "this call's kernel")
     assert host.forward is module.forward and host.path_label() == "c++"
-    with pytest.raises(launch.LaunchKeyError, match=r"^ratio_kl_forward host path: its key for this call's kernel "
+    with pytest.raises(launch.LaunchKeyError, match=r"^ratio_kl_elementwise host path: its key for this call's kernel "
                                                     r"holds another compiled kernel$"):
         host.registered(False, "this call's kernel")
     assert host.forward is module.forward
 
 
 def test_a_host_module_turned_off_leaves_its_op_the_python_path_until_the_block_ends():
-    host = HostModule("ratio_kl_forward")
+    host = HostModule("ratio_kl_elementwise")
     module = _host_module_or_skip(host)
     host.registered(True, "this call's kernel")
     with host.off():
@@ -100,21 +107,21 @@ def test_a_host_module_turned_off_leaves_its_op_the_python_path_until_the_block_
 def test_a_kernel_first_stored_while_off_turns_the_forward_on_at_the_blocks_end():
     """The Python path's launcher serves a kernel's later launches without registering it again: a
     kernel first launched inside off() must still reach the host path afterwards."""
-    host = HostModule("ratio_kl_forward")
+    host = HostModule("ratio_kl_elementwise")
     module = _host_module_or_skip(host)
     with host.off():
         host.registered(True, "this call's kernel")
         assert host.forward is None
     assert host.forward is module.forward
-    fresh = HostModule("ratio_kl_forward")
+    fresh = HostModule("ratio_kl_elementwise")
     with fresh.off(register=False):
         assert fresh.registry() is None
     assert fresh.forward is None, "nothing was stored: the forward stays off"
 
 
-class _CpuRuntime:  # kernels.launch's runtime, as an op's host path asks it for the device and stream
+class _FakeRuntime:  # kernels.launch's runtime, whose presence lets an op ask its host path
     def get_device(self):
-        return 0
+        return 0  # no direct launch is stored for it: the Python path launches through Triton
 
     def get_stream(self, device):
         return 0
@@ -130,10 +137,10 @@ def test_ratio_kl_asks_its_host_module_first_and_not_while_it_is_off(monkeypatch
     monkeypatch.setattr(ratio_kl_op._HOST, "forward", host)
     if torch.cuda.is_available():  # the Python path launches the compiled kernel: device inputs
         inputs = [t.cuda() for t in _cpu_inputs()]
-    else:  # the Triton interpreter; the runtime the host path asks for stands in for the device's
-        monkeypatch.setattr(launch, "fast_path_now", lambda: _CpuRuntime())
+    else:  # the Triton interpreter; a stand-in runtime says the fast path may run
+        monkeypatch.setattr(launch, "fast_path_now", lambda: _FakeRuntime())
         inputs = _cpu_inputs()
-    # the Python path first: on a device its launch starts the runtime the host path asks for
+    # the Python path first: on a device its launch starts kernels.launch's runtime
     with ratio_kl_op._HOST.off():
         ratio, kl = ratio_kl_op.ratio_kl(*inputs)
         assert ratio_kl_op.host_path() == "python (turned off)"
@@ -149,14 +156,14 @@ def test_a_host_path_that_cannot_be_built_is_off_loudly_once(monkeypatch, tmp_pa
     monkeypatch.setenv("RLK_CUDA_CACHE", str(tmp_path))  # nothing cached: a build is due
     monkeypatch.setenv("RLK_CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.delenv("CXX", raising=False)
-    host = HostModule("ratio_kl_forward")
+    host = HostModule("ratio_kl_elementwise")
     with caplog.at_level(logging.WARNING, logger="kernels"):
         assert host.load() is None
         assert host.load() is None
     assert host.disabled_reason() == (f"HostBuildError: the C++ compiler RLK_CXX='{tmp_path / 'no-such-compiler'}' "
                                       "names is not there")
     assert [r.getMessage() for r in caplog.records].count(
-        f"kernels: ratio_kl_forward host path off, the op keeps its Python path: {host.disabled_reason()}") == 1
+        f"kernels: ratio_kl_elementwise host path off, the op keeps its Python path: {host.disabled_reason()}") == 1
 
 
 def test_no_compiler_at_all_says_how_to_name_one(monkeypatch, tmp_path):
@@ -165,7 +172,7 @@ def test_no_compiler_at_all_says_how_to_name_one(monkeypatch, tmp_path):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ on it
     with pytest.raises(build.HostBuildError, match=r"no C\+\+ compiler found \(set RLK_CXX or CXX"):
-        build.load_extension(HostModule("ratio_kl_forward").source)
+        build.load_extension(HostModule("ratio_kl_elementwise").source)
 
 
 def test_a_failed_build_names_the_command_and_the_compiler_output(monkeypatch, tmp_path):
@@ -273,9 +280,15 @@ def test_host_path_declines_the_rest_and_the_python_path_explains(monkeypatch):
             ratio_kl_op.ratio_kl(logp, old.cpu(), ref, mask)
     assert counting.served == 1
     leaf = logp.clone().requires_grad_()
-    ratio, kl = ratio_kl_op.ratio_kl(leaf, old, ref, mask)  # a gradient is wanted: autograd.Function
-    assert counting.served == 1 and ratio.grad_fn is not None
-    (grad,) = torch.autograd.grad((ratio + kl).sum(), leaf)
+    for _ in range(2):  # the first backward registers its kernel: the second call is served
+        ratio, kl = ratio_kl_op.ratio_kl(leaf, old, ref, mask)
+        torch.autograd.grad((ratio + kl).sum(), leaf)
+    assert counting.served == 2 and ratio.grad_fn.name() == "RatioKLBackward"
+    # a gradient wanted through a misaligned input: the Python path's autograd.Function
+    misaligned = _gpu_inputs(64, offset=1)
+    ratio, kl = ratio_kl_op.ratio_kl(misaligned[0].requires_grad_(), *misaligned[1:])
+    assert counting.served == 2 and ratio.grad_fn.name() == "RatioKLFunctionBackward"
+    (grad,) = torch.autograd.grad((ratio + kl).sum(), misaligned[0])
     assert bool(torch.isfinite(grad).all())
 
 
@@ -323,6 +336,101 @@ def test_host_path_launches_are_recorded_by_cuda_graph_capture():
         _replays_to(graph, captured, want)
 
 
+# ratio_kl with a gradient: the host path's node against autograd.Function, bitwise
+
+def _require_ratio_kl_grad_host_path(monkeypatch):
+    monkeypatch.setattr(launch, "verify_keys", False)  # key verification sends every call through Python
+    return _require_host_path()
+
+
+# (name, T, old/ref dtype, mask dtype, KL type, unbiased, gradient: "both" (random for ratio and kl),
+# "ratio" (kl unused: an undefined gradient), "sum" (expanded ones))
+_RATIO_KL_GRAD_CASES = [
+    ("low_var_kl-both", 3000, torch.float32, torch.bool, "low_var_kl", False, "both"),
+    ("k2-unbiased-sum", 64, torch.float32, torch.float32, "k2", True, "sum"),
+    ("k3-bf16-ratio-only", 48, torch.bfloat16, torch.bool, "k3", False, "ratio"),
+    ("k1-fp64-one-token", 1, torch.float64, torch.float16, "k1", False, "both"),
+]
+
+
+def _ratio_kl_run(case, seed=0):
+    """(ratio, kl, dlogp) of the op for a case, with a gradient."""
+    _, n, dtype, mask_dtype, kl_type, unbiased, gradient = case
+    logp, old, ref, mask = _gpu_inputs(n, seed=seed, dtype=dtype, mask_dtype=mask_dtype)
+    logp.requires_grad_()
+    ratio, kl = ratio_kl_op.ratio_kl(logp, old, ref, mask, kl_type=kl_type, use_unbiased_kl=unbiased)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    if gradient == "sum":
+        (dlogp,) = torch.autograd.grad((ratio + kl).sum(), logp)
+    elif gradient == "ratio":
+        (dlogp,) = torch.autograd.grad(ratio, logp, torch.randn(n, device="cuda", generator=gen))
+    else:
+        grads = [torch.randn(n, device="cuda", generator=gen) for _ in range(2)]
+        (dlogp,) = torch.autograd.grad([ratio, kl], logp, grads)
+    return [ratio.detach(), kl.detach(), dlogp]
+
+
+def _ratio_kl_served():
+    return ratio_kl_op._HOST.load().served()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _RATIO_KL_GRAD_CASES, ids=lambda c: c[0])
+def test_ratio_kl_host_path_with_a_gradient_is_bitwise_the_python_path(monkeypatch, case):
+    _require_ratio_kl_grad_host_path(monkeypatch)
+    _assert_host_path_is_bitwise_the_python_path(ratio_kl_op, _ratio_kl_run, case, ("ratio", "kl", "dlogp"))
+
+
+@pytest.mark.gpu
+def test_ratio_kl_host_path_node_keeps_autograd_semantics(monkeypatch):
+    """A backward through a retained graph, twice (accumulating), then "a second time" refused; an
+    input modified in place after the forward refused; saved tensors through a saved-tensor hook."""
+    _require_ratio_kl_grad_host_path(monkeypatch)
+    _ratio_kl_run(_RATIO_KL_GRAD_CASES[0])
+
+    def twice():
+        logp, old, ref, mask = _gpu_inputs(3000, seed=4)
+        logp.requires_grad_()
+        ratio, kl = ratio_kl_op.ratio_kl(logp, old, ref, mask)
+        (ratio + kl).sum().backward(retain_graph=True)
+        first = logp.grad.clone()
+        kl.backward(torch.full_like(kl, 0.5))  # accumulates; the graph is freed after this one
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            ratio.sum().backward()
+        ratio, kl = ratio_kl_op.ratio_kl(logp, old, ref, mask)
+        with torch.no_grad():
+            old.add_(0.0)  # an in-place change of a saved input
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            kl.sum().backward()
+        with torch.autograd.graph.save_on_cpu():
+            ratio, kl = ratio_kl_op.ratio_kl(logp, old, ref, mask, kl_type="k2")
+        (hooked,) = torch.autograd.grad([ratio, kl], logp, [torch.ones_like(ratio), torch.ones_like(kl)])
+        return first, logp.grad, hooked, ratio.grad_fn.name()
+
+    before = _ratio_kl_served()
+    *host, host_node = twice()
+    assert _ratio_kl_served() == before + 3 and host_node == "RatioKLBackward"
+    with ratio_kl_op._HOST.off():
+        *python, python_node = twice()
+    assert python_node == "RatioKLFunctionBackward"
+    assert all(torch.equal(a, b) for a, b in zip(host, python))
+
+
+@pytest.mark.gpu
+def test_ratio_kl_host_path_with_a_gradient_is_recorded_by_cuda_graph_capture(monkeypatch):
+    _require_ratio_kl_grad_host_path(monkeypatch)
+    logp, old, ref, mask = _gpu_inputs(3000, seed=6)
+    logp.requires_grad_()
+    grads = [torch.randn(3000, device="cuda") for _ in range(2)]
+
+    def step():
+        ratio, kl = ratio_kl_op.ratio_kl(logp, old, ref, mask)
+        (dlogp,) = torch.autograd.grad([ratio, kl], logp, grads)
+        return [ratio.detach(), kl.detach(), dlogp]
+
+    _host_path_replays(step, _ratio_kl_served, 1)
+
+
 # ---------------------------------------------------------------- grpo_loss's one-read host path
 
 def _grpo_module_or_skip():
@@ -356,10 +464,6 @@ def test_grpo_host_module_declines_what_is_not_the_common_case():
     with pytest.raises(TypeError, match=r"configure\(metric_names"):
         module.configure(("pg_loss",), len)
     assert module.served() == served
-
-
-class _FakeRuntime:
-    pass
 
 
 def test_grpo_loss_call_takes_the_host_path_only_while_the_fast_path_may_run(monkeypatch):

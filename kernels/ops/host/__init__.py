@@ -6,11 +6,11 @@ the common case of one op's call in one C++ call (checks, outputs, ``cuLaunchKer
 kernel the op's Python path compiled and registered) and returns None for anything else, so the
 Python path, with its checks and error messages, stays the only one that decides and explains.
 
-Modules: ``ratio_kl_forward.cpp`` (ratio_kl's no-grad forward), ``grpo_loss_one_read.cpp``
-(grpo_loss's one-read forward) and ``logp_single_device.cpp`` (logp's forward without TP), the last
-two with a C++ autograd node for their backward, so that neither pass enters Python; what they
-share is ``host_common.h`` (launching a registered Triton kernel, keys, reading call objects) and
-``host_autograd.h`` (the node's saved inputs). Each module is ``<op>_<what>.cpp``;
+Modules: ``ratio_kl_elementwise.cpp`` (ratio_kl's call), ``grpo_loss_one_read.cpp`` (grpo_loss's
+one-read call) and ``logp_single_device.cpp`` (logp's call without TP), each with a C++ autograd
+node for its backward, so that neither pass enters Python; what they share is ``host_common.h``
+(launching a registered Triton kernel, keys, reading call objects) and ``host_autograd.h`` (inputs
+made fit for a backward kernel, the nodes' saved inputs). Each module is ``<op>_<what>.cpp``;
 :class:`HostModule` builds it with ``build.py`` (g++ against the installed torch's headers,
 cached) the first time the op has a kernel to register, and says so. If it cannot (no compiler, no headers), it logs the reason once and the op keeps its Python
 path: the same results, more host time. With ``VIME_RL_KERNEL_FAST_LAUNCH=0`` (or on CPU, under

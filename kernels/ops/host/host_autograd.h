@@ -1,10 +1,12 @@
 // What the host-path modules with a C++ autograd node share (grpo_loss_one_read.cpp,
-// logp_single_device.cpp): the node's saved logits and ids and the launch context, attaching it to
-// an output, and an error raised in Python turned into one the engine reports. Apart from
+// logp_single_device.cpp, ratio_kl_elementwise.cpp): inputs made fit for a backward kernel, the
+// nodes of ops on logits (their saved logits and ids and the launch context, attached to an
+// output), and an error raised in Python turned into one the engine reports. Apart from
 // host_common.h so that a module without a node builds without torch's autograd headers.
 
 #pragma once
 
+#include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -32,6 +34,13 @@ inline void throw_python_error(const char* what) {
   Py_XDECREF(value);
   Py_XDECREF(trace);
   throw std::runtime_error(message);
+}
+
+// `x` itself if it is a contiguous, 16-byte aligned tensor of `dtype`, else such a copy of it (a
+// backward kernel's specialization assumes aligned inputs; the values are the same).
+inline at::Tensor fitting(const at::Tensor& x, at::ScalarType dtype) {
+  if (x.scalar_type() == dtype && x.is_contiguous() && aligned(x.data_ptr())) return x;
+  return at::empty(x.sizes(), x.options().dtype(dtype)).copy_(x);
 }
 
 // torch 2.11 holds nodes in std::shared_ptr, later versions in c10::intrusive_ptr: Edge says which.

@@ -269,16 +269,22 @@ inline bool remember_error_word(int device, uint64_t word) {
   return true;
 }
 
-// Whether `device`'s registered kernels may launch now (it is the current device, and the context
-// they were registered in the current one); fills its context and error word if so.
-inline bool launchable_now(int device, uint64_t* context, uint64_t* word) {
+// Whether `device`'s registered kernels may launch now: it is the current device, and the context
+// they were registered in the current one; fills that context if so.
+inline bool context_now(int device, uint64_t* context) {
   const auto known = contexts.find(device);
-  const auto error_word = error_words.find(device);
-  if (known == contexts.end() || error_word == error_words.end()) return false;
+  if (known == contexts.end()) return false;
   if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() != device) return false;
   CUcontext current = nullptr;
   if (cu_ctx_get_current(&current) != 0 || reinterpret_cast<uint64_t>(current) != known->second) return false;
   *context = known->second;
+  return true;
+}
+
+// context_now for kernels that report bad values: fills the device's error word too.
+inline bool launchable_now(int device, uint64_t* context, uint64_t* word) {
+  const auto error_word = error_words.find(device);
+  if (error_word == error_words.end() || !context_now(device, context)) return false;
   *word = error_word->second;
   return true;
 }

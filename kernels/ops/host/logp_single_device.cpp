@@ -128,13 +128,6 @@ void launch_forward(const TritonKernel& kernel, const at::Tensor& logits, const 
   launch_triton("forward", kernel, static_cast<unsigned>(t), stream, args, kForwardArgs);
 }
 
-// `x` itself if it is a contiguous, 16-byte aligned tensor of `dtype`, else such a copy of it (the
-// launch's specialization assumes alignment; the values are the same).
-at::Tensor fitting(const at::Tensor& x, at::ScalarType dtype) {
-  if (x.scalar_type() == dtype && x.is_contiguous() && aligned(x.data_ptr())) return x;
-  return at::empty(x.sizes(), x.options().dtype(dtype)).copy_(x);
-}
-
 // ---------------------------------------------------------------- the backward node
 
 // kernel_: the backward kernel
