@@ -47,8 +47,13 @@ top-p replay) hand the call to vime's native loss with ONE WARNING per reason pe
 Telemetry (the same keys in every call and both arms): ``rlk_fallback`` (1 when this call or an op
 inside it fell back), ``rlk_backend__<id>`` (the backend id in the key, vime metrics being scalars;
 ``backend_from_metrics`` decodes it; ``vime-native`` when vime's loss ran), and the four stage times
-(CUDA events on GPU, ``time.perf_counter`` on CPU; forward only). When vime's loss ran, its whole time
-is ``rlk_loss_ms`` and the other stages are 0. vime sums every ``train/*`` value over micro-batches and
+(forward only: the GPU's own clock, kernels/device_clock.py, on a GPU; ``time.perf_counter`` on CPU).
+When vime's loss ran, its whole time is ``rlk_loss_ms`` and the other stages are 0.
+
+No host sync: a call never waits for the GPU (telemetry filled on the device, host values sent
+through pinned memory), so it never drains Megatron's launch queue. Bad ids the kernels find raise
+``kernels.DeviceInputError`` at a later call without waiting (the next at the latest), or at
+``kernels.raise_pending_errors()``; the rows they touch are NaN until then. vime sums every ``train/*`` value over micro-batches and
 DP x CP ranks and divides by the step's sample count (or token count with
 ``--calculate-per-token-loss``; ``reduce_train_step_metrics``): each telemetry value is therefore
 logged multiplied by the call's share of that denominator (``call_weight``), so ``train/rlk_fallback``
@@ -69,7 +74,7 @@ from typing import Any
 import torch
 
 import kernels
-from kernels import dispatch, reference, settings
+from kernels import device_errors, dispatch, reference, settings
 from kernels.reference.policy_loss import gspo_sequence_log_ratio
 from kernels.reference.reductions import sample_index
 
@@ -194,6 +199,15 @@ class PackedResponses:
     rollout_logp: torch.Tensor | None  # [R] fp32
 
 
+def _on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device`` without waiting for it: a host tensor goes to a GPU through a pinned
+    staging copy and an asynchronous transfer (the caching host allocator keeps the staging buffer
+    until the transfer has run), where ``x.to(device)`` would wait for the device's queue."""
+    if x.device == device or x.device.type != "cpu" or device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def _cat(batch: dict, key: str, device: torch.device, total: int, dtype: torch.dtype | None) -> torch.Tensor:
     value = batch[key]
     if isinstance(value, torch.Tensor):
@@ -204,7 +218,7 @@ def _cat(batch: dict, key: str, device: torch.device, total: int, dtype: torch.d
         raise TypeError(f"batch[{key!r}] must be a tensor or a non-empty list of tensors, got {type(value).__name__}")
     if out.numel() != total:
         raise ValueError(f"batch[{key!r}] has {out.numel()} values, expected sum(response_lengths) = {total}")
-    out = out.to(device)
+    out = _on_device(out, device)
     return out if dtype is None else out.to(dtype)
 
 
@@ -253,8 +267,8 @@ def pack_responses(batch: dict, logits: torch.Tensor) -> PackedResponses:
         end += tot
         rows.append(torch.arange(end - resp - 1, end - 1))
         targets.append(torch.arange(end - resp, end))
-    row_index = torch.cat(rows).to(device)
-    target_index = torch.cat(targets).to(tokens.device)
+    row_index = _on_device(torch.cat(rows), device)
+    target_index = _on_device(torch.cat(targets), tokens.device)
     num_resp = int(row_index.numel())
     def given(key: str) -> bool:  # vime's own test: present and non-empty
         value = batch.get(key)
@@ -263,8 +277,8 @@ def pack_responses(batch: dict, logits: torch.Tensor) -> PackedResponses:
     has_old, has_ref, has_rollout = given("log_probs"), given("ref_log_probs"), given("rollout_log_probs")
     return PackedResponses(
         logits=logits.index_select(0, row_index),
-        target_ids=tokens.index_select(0, target_index).to(device=device, dtype=torch.int64),
-        lengths=torch.tensor(response_lengths, dtype=torch.int64, device=device),
+        target_ids=_on_device(tokens.index_select(0, target_index), device).to(torch.int64),
+        lengths=_on_device(torch.tensor(response_lengths, dtype=torch.int64), device),
         loss_mask=_cat(batch, "loss_masks", device, num_resp, None),
         old_logp=_cat(batch, "log_probs", device, num_resp, torch.float32) if has_old else None,
         advantages=_cat(batch, "advantages", device, num_resp, torch.float32),
@@ -275,27 +289,34 @@ def pack_responses(batch: dict, logits: torch.Tensor) -> PackedResponses:
 
 # ----------------------------------------------------------------------------- telemetry
 class StageTimer:
-    """Wall time of named stages: CUDA events on a GPU (one sync at ``results``), perf_counter on CPU."""
+    """Time of named stages without a host sync: the device's own clock on a GPU
+    (kernels/device_clock.py: each result a 0-dim fp32 tensor on the device, read whenever the
+    training loop reads its metrics), ``time.perf_counter`` on a CPU (floats). ``stages``: how many
+    stages it times at most."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, stages: int = len(STAGE_METRICS)) -> None:
+        self._clock = None
+        if device.type == "cuda":
+            from kernels.device_clock import DeviceClock  # Triton: imported where a GPU is timed
+
+            self._clock = DeviceClock(device, 2 * stages)
+        self._stamps = 0
         self._marks: list[tuple[str, Any, Any]] = []
 
     def stage(self, name: str) -> _Stage:
         return _Stage(self, name)
 
     def _now(self) -> Any:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        if self._clock is None:
+            return time.perf_counter()
+        slot, self._stamps = self._stamps, self._stamps + 1
+        self._clock.stamp(slot)
+        return slot
 
-    def results_ms(self) -> dict[str, float]:
-        if self._cuda and self._marks:
-            self._marks[-1][2].synchronize()
-            return {name: float(start.elapsed_time(end)) for name, start, end in self._marks}
-        return {name: (end - start) * 1e3 for name, start, end in self._marks}
+    def results_ms(self) -> dict[str, Any]:
+        if self._clock is None:
+            return {name: (end - start) * 1e3 for name, start, end in self._marks}
+        return {name: self._clock.elapsed_ms(start, end) for name, start, end in self._marks}
 
 
 class _Stage:
@@ -355,13 +376,22 @@ def reset_native_fallbacks() -> None:
     _native_fallbacks.clear()
 
 
-def _telemetry(metrics: dict, *, fell_back: bool, backend: str, stages_ms: dict[str, float], weight: float,
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 tensor on ``device`` filled there (``torch.tensor(value, device=...)`` would copy
+    it from the host and wait for the device)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _telemetry(metrics: dict, *, fell_back: bool, backend: str, stages_ms: dict[str, Any], weight: float,
                device: torch.device) -> dict[str, torch.Tensor]:
+    """``metrics`` and the rlk_* telemetry, every value a 0-dim tensor on ``device``; stage times are
+    StageTimer's results (device tensors on a GPU, floats on a CPU)."""
     out = dict(metrics)
-    out["rlk_fallback"] = torch.tensor(float(fell_back) * weight, device=device)
-    out[backend_metric_name(backend)] = torch.tensor(weight, device=device)
+    out["rlk_fallback"] = _scalar(float(fell_back) * weight, device)
+    out[backend_metric_name(backend)] = _scalar(weight, device)
     for name in STAGE_METRICS:
-        out[name] = torch.tensor(stages_ms.get(name, 0.0) * weight, device=device)
+        ms = stages_ms.get(name, 0.0)
+        out[name] = ms * weight if isinstance(ms, torch.Tensor) else _scalar(ms * weight, device)
     return out
 
 
@@ -445,7 +475,9 @@ def policy_loss(args: Any, batch: dict, logits: torch.Tensor,
         loss, metrics = _reduce(config, packed, logp, old_logp, entropy, kl, batch, logits, sum_of_sample_mean)
 
     fell_back = sum(kernels.fallback_counts().values()) > fallbacks_before
-    kernels.raise_pending_errors(loss.device)  # the timer just synced: bad ids/lengths the kernels found raise here
+    # bad ids the kernels have found so far (this call's once they have run: the next call's at the
+    # latest) raise here, read without waiting for the device
+    device_errors.raise_if_reported(loss.device)
     return loss, _telemetry(metrics, fell_back=fell_back, backend=kernels.backend_id(), stages_ms=timer.results_ms(),
                             weight=call_weight(args, batch), device=loss.device)
 
@@ -457,7 +489,9 @@ def _reduce(config: kernels.LossConfig, packed: PackedResponses, logp: torch.Ten
     log_ratio = None
     if config.gspo:
         num_samples = int(packed.lengths.shape[0])
-        log_ratio = gspo_sequence_log_ratio(logp, old_logp, packed.loss_mask, sample_index(packed.lengths), num_samples)
+        # the token count given: repeat_interleave would read it from the device otherwise
+        log_ratio = gspo_sequence_log_ratio(logp, old_logp, packed.loss_mask,
+                                            sample_index(packed.lengths, logp.shape[0]), num_samples)
     pg, clipfrac, ppo_kl = reference.policy_loss(logp, old_logp, packed.advantages, config.eps_clip,
                                                  config.eps_clip_high, config.eps_clip_c, log_ratio=log_ratio)
     if log_ratio is not None:
@@ -492,7 +526,7 @@ def _reduce(config: kernels.LossConfig, packed: PackedResponses, logp: torch.Ten
     opd = batch.get("opd_reverse_kl")
     if opd is not None and len(opd) > 0:
         values = torch.cat([v.reshape(-1) for v in opd]) if not isinstance(opd, torch.Tensor) else opd.reshape(-1)
-        metrics["opd_reverse_kl"] = sum_of_sample_mean(values.to(logp.device)).detach()
+        metrics["opd_reverse_kl"] = sum_of_sample_mean(_on_device(values, logp.device)).detach()
     return loss, metrics
 
 

@@ -198,3 +198,29 @@ def test_init_hook_decides_once_and_logs(monkeypatch, caplog):
             adapter.init_hook(standin.vime_args_standin(["--context-parallel-size", "2"]))
     finally:
         adapter.reset_init_decision()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", list(FLAG_SETS), ids=list(FLAG_SETS))
+def test_a_kernels_call_never_waits_for_the_gpu(flags, kernels_arm):
+    """policy_loss and its backward with the kernels on, vime's batch on the GPU, under
+    ``torch.cuda.set_sync_debug_mode("error")``: nothing in the call or its backward waits for the
+    device, so a micro-batch never drains the training loop's launch queue. The first call runs
+    outside it (it compiles and registers the kernels); the timed stages read the device's clock."""
+    kernels_arm(True)
+    args = standin.vime_args_standin(FLAG_SETS[flags])
+    batch, logits = make_case(temperature=args.rollout_temperature)
+    batch, logits = batch_to(batch, "cuda"), logits.cuda()
+    first_loss, first_metrics, first_grad = run_adapter(args, batch, logits)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, metrics, grad = run_adapter(args, batch, logits)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(loss, first_loss) and torch.equal(grad, first_grad)
+    for name in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl"):
+        assert torch.equal(metrics[name], first_metrics[name]), name
+    assert 0.0 < float(metrics["rlk_logp_ms"]) < 1e3 and 0.0 < float(metrics["rlk_loss_ms"]) < 1e3
+    assert all(metrics[name].device.type == "cuda" for name in metrics)

@@ -64,15 +64,17 @@ def vime_args_standin(cli: Sequence[str] = ()) -> argparse.Namespace:
 
 def sum_of_sample_mean_standin(response_lengths: Sequence[int], loss_masks: Sequence[torch.Tensor],
                                calculate_per_token_loss: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-    """vime's reduction closure over one micro-batch: ``fn(x [R]) -> 0-dim``."""
-    lengths = torch.tensor(list(response_lengths), dtype=torch.int64)
+    """vime's reduction closure over one micro-batch: ``fn(x [R]) -> 0-dim``. Like vime's, it holds
+    its tensors on the loss masks' device (vime's batch is on the GPU): a call copies nothing to the
+    device, so it never waits for the GPU."""
     mask = torch.cat([m.reshape(-1) for m in loss_masks])
+    lengths = torch.tensor(list(response_lengths), dtype=torch.int64).to(mask.device)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        m = mask.to(x.device)
+        m, n = (mask, lengths) if x.device == mask.device else (mask.to(x.device), lengths.to(x.device))
         if calculate_per_token_loss:
             return reference.per_token_sum(x, m)
-        return reference.sum_of_sample_mean(x, m, lengths.to(x.device))
+        return reference.sum_of_sample_mean(x, m, n)
 
     return fn
 
