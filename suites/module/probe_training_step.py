@@ -6,9 +6,10 @@ The 0.6B-sized step of test_training_step.py (GPU_CASE: bf16 weights, fp32 logit
 vime's loss with KL and TIS; ``--case tiny``: its tiny dense case, which runs on a CPU too), each
 arm as the test runs it. After two warm-up steps, one step per
 arm runs under ``torch.profiler`` (CPU and CUDA), with each stage of ``train_step.train`` and of
-the vime adapter named by ``record_function``. Printed per arm: each stage's wall time (host,
-synchronized at its ends), the GPU time of the kernels it launched, and the ops that take most
-of either; with ``--out``, a Chrome trace per arm and the figures as JSON.
+the vime adapter named by ``record_function``. Printed per arm: each step stage's wall time (host,
+synchronized at its ends) and the adapter's own stage times (its ``rlk_*_ms`` metrics), each
+range's host time and the GPU time of the kernels it launched, and the ops that take most of
+either; with ``--out``, a Chrome trace per arm and the figures as JSON.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def _step(model, batch, args, sosm, optimizer, walls: dict[str, float]) -> None:
 
     logits = timed("forward", lambda: train_step.packed_logits(model, train_step._prompts(batch),
                                                                 train_step._responses(batch)))
-    loss, _ = timed("policy_loss", lambda: adapter.policy_loss(args, batch, logits, sosm))
+    loss, metrics = timed("policy_loss", lambda: adapter.policy_loss(args, batch, logits, sosm))
+    weight = adapter.call_weight(args, batch)  # the adapter logs each stage time times the call's weight
+    for name in adapter.STAGE_METRICS:
+        walls[name] = float(metrics[name]) / weight
     timed("backward", loss.backward)
 
     def update():
@@ -83,10 +87,11 @@ def _step(model, batch, args, sosm, optimizer, walls: dict[str, float]) -> None:
 def _ranges(prof) -> dict[str, dict[str, float]]:
     """Per record_function range: its host time and the GPU time of the kernels launched inside it."""
     out: dict[str, dict[str, float]] = {}
-    for event in prof.key_averages():
+    for event in prof.key_averages():  # a range appears twice with CUDA on: its host and its device row
         if event.key.startswith(("step.", "rlk_")):
-            out[event.key] = {"cpu_ms": event.cpu_time_total / 1e3,
-                              "gpu_ms": event.device_time_total / 1e3}
+            row = out.setdefault(event.key, {"cpu_ms": 0.0, "gpu_ms": 0.0})
+            row["cpu_ms"] = max(row["cpu_ms"], event.cpu_time_total / 1e3)
+            row["gpu_ms"] = max(row["gpu_ms"], event.device_time_total / 1e3)
     return out
 
 

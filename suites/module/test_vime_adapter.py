@@ -212,13 +212,19 @@ def test_a_kernels_call_never_waits_for_the_gpu(flags, kernels_arm):
     batch, logits = make_case(temperature=args.rollout_temperature)
     batch, logits = batch_to(batch, "cuda"), logits.cuda()
     first_loss, first_metrics, first_grad = run_adapter(args, batch, logits)
+    # vime's closure over the micro-batch, built before the call as vime builds it
+    sosm = standin.sum_of_sample_mean_standin(batch["response_lengths"], batch["loss_masks"],
+                                              args.calculate_per_token_loss)
+    leaf = logits.clone().requires_grad_(True)
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, metrics, grad = run_adapter(args, batch, logits)
+        loss, metrics = adapter.policy_loss(args, batch, leaf, sosm)
+        loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    loss, grad = loss.detach(), leaf.grad
     assert torch.equal(loss, first_loss) and torch.equal(grad, first_grad)
     for name in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl"):
         assert torch.equal(metrics[name], first_metrics[name]), name
