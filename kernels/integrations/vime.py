@@ -168,20 +168,19 @@ def loss_config_from_args(args: Any) -> kernels.LossConfig:
     )
 
 
-def call_weight(args: Any, batch: dict) -> float:
+def call_weight(args: Any, batch: dict) -> float | torch.Tensor:
     """This call's share of the denominator vime's ``reduce_train_step_metrics`` divides ``train/*`` by.
 
     vime sums each logged value over micro-batches and DP x CP ranks, then divides by the step's sample
     count (per-sample means) or its token count (``--calculate-per-token-loss``: the masked tokens,
     each sample at least 1, counted once per CP rank and multiplied back by the CP size). A per-call value
-    ``v`` logged as ``v * call_weight`` therefore reads as the (sample- or token-weighted) mean of ``v``."""
+    ``v`` logged as ``v * call_weight`` therefore reads as the (sample- or token-weighted) mean of ``v``.
+    The token count is a 0-dim fp32 tensor on the masks' device (reading it would wait for the device)."""
     cp = max(int(_arg(args, "context_parallel_size", 1)), 1)
     if bool(_arg(args, "calculate_per_token_loss", False)):
-        masks = batch["loss_masks"]
-        share = float(sum(max(float(m.sum()), 1.0) for m in masks))
-    else:
-        share = float(len(batch["response_lengths"]))
-    return share / cp
+        counts = [m.reshape(-1).float().sum().clamp(min=1.0) for m in batch["loss_masks"]]
+        return torch.stack(counts).sum() / cp
+    return float(len(batch["response_lengths"])) / cp
 
 
 # ----------------------------------------------------------------------------- packing
@@ -382,16 +381,21 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
-def _telemetry(metrics: dict, *, fell_back: bool, backend: str, stages_ms: dict[str, Any], weight: float,
-               device: torch.device) -> dict[str, torch.Tensor]:
-    """``metrics`` and the rlk_* telemetry, every value a 0-dim tensor on ``device``; stage times are
-    StageTimer's results (device tensors on a GPU, floats on a CPU)."""
+def _telemetry(metrics: dict, *, fell_back: bool, backend: str, stages_ms: dict[str, Any],
+               weight: float | torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """``metrics`` and the rlk_* telemetry, every value a 0-dim fp32 tensor on ``device``; stage
+    times are StageTimer's results (device tensors on a GPU, floats on a CPU), ``weight``
+    call_weight's (a float, or a device tensor)."""
+    def weighted(value: float | torch.Tensor) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) and not isinstance(weight, torch.Tensor):
+            return _scalar(value * weight, device)
+        return (value * weight).to(device=device, dtype=torch.float32)
+
     out = dict(metrics)
-    out["rlk_fallback"] = _scalar(float(fell_back) * weight, device)
-    out[backend_metric_name(backend)] = _scalar(weight, device)
+    out["rlk_fallback"] = weighted(float(fell_back))
+    out[backend_metric_name(backend)] = weighted(1.0)
     for name in STAGE_METRICS:
-        ms = stages_ms.get(name, 0.0)
-        out[name] = ms * weight if isinstance(ms, torch.Tensor) else _scalar(ms * weight, device)
+        out[name] = weighted(stages_ms.get(name, 0.0))
     return out
 
 

@@ -71,7 +71,7 @@ def _step(model, batch, args, sosm, optimizer, walls: dict[str, float]) -> None:
     logits = timed("forward", lambda: train_step.packed_logits(model, train_step._prompts(batch),
                                                                 train_step._responses(batch)))
     loss, metrics = timed("policy_loss", lambda: adapter.policy_loss(args, batch, logits, sosm))
-    weight = adapter.call_weight(args, batch)  # the adapter logs each stage time times the call's weight
+    weight = float(adapter.call_weight(args, batch))  # the adapter logs each stage time times the call's weight
     for name in adapter.STAGE_METRICS:
         walls[name] = float(metrics[name]) / weight
     timed("backward", loss.backward)
