@@ -145,8 +145,9 @@ def train(model: torch.nn.Module, batch: dict, args, *, steps: int, lr: float = 
         log.fallbacks += float(metrics["rlk_fallback"])
         for name, value in (("forward", t1 - t0), ("backward", t3 - t2), ("optimizer", t4 - t3), ("step", t4 - t0)):
             log.times_ms[name].append(value * 1e3)
+        weight = float(adapter.call_weight(args, batch))  # the adapter logs each stage time times it
         for module in ("logp", "ratio_kl", "loss"):
-            log.times_ms[module].append(float(metrics[f"rlk_{module}_ms"]))
+            log.times_ms[module].append(float(metrics[f"rlk_{module}_ms"]) / weight)
     if device.type == "cuda":
         # Above what was resident when training started (the models of both arms, the batch), so
         # the arms compare although the other arm's model is still alive.
