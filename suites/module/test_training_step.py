@@ -128,11 +128,6 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, pro
         batch = train_step.vime_batch(base, rollout)
     args = standin.vime_args_standin(LOSS_FLAGS)
     start = {n: p.detach().clone() for n, p in base.named_parameters()}
-    if device.type == "cuda":
-        # The arms' timings are of the step, not of what earlier tests left in the caching
-        # allocator: [T, V] fp32 blocks that fit nowhere in a fragmented cache make every large
-        # allocation free the cache and cudaMalloc again (a device sync each time)
-        torch.cuda.empty_cache()
     logs, models = {}, {}
     for arm, backend in (("reference", False), ("control", last_bit_backend.DOTTED_PATH), ("kernels", kernels_backend)):
         kernels_arm(backend)
