@@ -1,12 +1,16 @@
-"""The ops' host-side C++ fast paths (kernels/ops/host/): ratio_kl's no-grad forward, grpo_loss's
-one-read forward and backward, logp's single-device forward and backward.
+"""The ops' host-side C++ fast paths (kernels/ops/host/): ratio_kl's, grpo_loss's one-read and
+logp's single-device forward and backward.
 
 CPU: the module builds against the installed torch (skipped, with the reason, where there is no
 C++ compiler or torch's headers), declines every call that is not the common case (so the Python
 path's checks run), and a build that cannot run turns the host path off loudly, once.
 GPU: on repeat calls the host path serves the common case bitwise equal to the Python path, over
-what the kernel is specialized on; everything else (non-contiguous, another device, a gradient,
-bad input) still takes the Python path, with its errors; CUDA-graph capture records it. grpo_loss:
+what the kernel is specialized on; everything else (non-contiguous, another device, a gradient
+through misaligned inputs, bad input) still takes the Python path, with its errors; CUDA-graph capture records it. ratio_kl
+with a gradient: ratio, kl and dlogp bitwise equal to autograd.Function's over KL types, dtypes,
+T == 1 and gradients that are random, undefined (kl unused) or expanded; its node's autograd
+semantics (a retained graph, a second backward refused, an in-place change refused, saved-tensor
+hooks); a misaligned input declined; CUDA-graph capture of forward and backward. grpo_loss:
 loss, metrics and dlogits bitwise equal to the Python path's over its configurations (reference
 or none, dual clip, TIS, packing, reductions, temperature, grad_output != 1, a second backward
 through a retained graph), the predicted gradient's hits and misses on both paths, bad ids reported through the error word under the call's id, the public
