@@ -411,13 +411,7 @@ def test_ratio_kl_host_path_node_keeps_autograd_semantics(monkeypatch):
         (hooked,) = torch.autograd.grad([ratio, kl], logp, [torch.ones_like(ratio), torch.ones_like(kl)])
         return first, logp.grad, hooked, ratio.grad_fn.name()
 
-    before = _ratio_kl_served()
-    *host, host_node = twice()
-    assert _ratio_kl_served() == before + 3 and host_node == "RatioKLBackward"
-    with ratio_kl_op._HOST.off():
-        *python, python_node = twice()
-    assert python_node == "RatioKLFunctionBackward"
-    assert all(torch.equal(a, b) for a, b in zip(host, python))
+    _assert_node_matches_the_python_path(ratio_kl_op, twice, 3, "RatioKLBackward", "RatioKLFunctionBackward")
 
 
 @pytest.mark.gpu
@@ -597,6 +591,19 @@ def _grpo_run(case, seed=0):
 
 def _grpo_served():
     return grpo_loss_op._HOST.load().served()
+
+
+def _assert_node_matches_the_python_path(op_module, run, calls: int, host_node: str, python_node: str):
+    """``run()`` (its tensors, then its outputs' last grad_fn name) with ``calls`` calls served by
+    ``op_module``'s host path and its node, then on the Python path alone: the same tensors, bitwise."""
+    served = op_module._HOST.load().served
+    before = served()
+    *host, node = run()
+    assert served() == before + calls and node == host_node, (served() - before, node)
+    with op_module._HOST.off():
+        *python, node = run()
+    assert node == python_node
+    assert all(torch.equal(a, b) for a, b in zip(host, python))
 
 
 def _assert_host_path_is_bitwise_the_python_path(op_module, run, case, names):
@@ -912,13 +919,7 @@ def test_logp_host_path_backward_through_a_retained_graph(monkeypatch):
             out.sum().backward()
         return first, logits.grad, out.grad_fn.name()
 
-    before = _logp_served()
-    *host, host_node = twice()
-    assert _logp_served() == before + 1 and host_node == "LogpBackward"
-    with logp_op._HOST.off():
-        *python, python_node = twice()
-    assert python_node == "LogpFunctionBackward"
-    assert all(torch.equal(a, b) for a, b in zip(host, python))
+    _assert_node_matches_the_python_path(logp_op, twice, 1, "LogpBackward", "LogpFunctionBackward")
 
 
 @pytest.mark.gpu
