@@ -48,16 +48,18 @@ Telemetry (the same keys in every call and both arms): ``rlk_fallback`` (1 when 
 inside it fell back), ``rlk_backend__<id>`` (the backend id in the key, vime metrics being scalars;
 ``backend_from_metrics`` decodes it; ``vime-native`` when vime's loss ran), and the four stage times
 (forward only: the GPU's own clock, kernels/device_clock.py, on a GPU; ``time.perf_counter`` on CPU).
-When vime's loss ran, its whole time is ``rlk_loss_ms`` and the other stages are 0.
+When vime's loss ran, its whole time is ``rlk_loss_ms`` and the other stages are 0. vime sums every
+``train/*`` value over micro-batches and DP x CP ranks and divides by the step's sample count (or
+token count with ``--calculate-per-token-loss``; ``reduce_train_step_metrics``): each telemetry value
+is therefore logged multiplied by the call's share of that denominator (``call_weight``), so
+``train/rlk_fallback`` reads the fraction of calls that fell back and ``train/rlk_*_ms`` the mean
+time per call.
 
-No host sync: a call never waits for the GPU (telemetry filled on the device, host values sent
-through pinned memory), so it never drains Megatron's launch queue. Bad ids the kernels find raise
-``kernels.DeviceInputError`` at a later call without waiting (the next at the latest), or at
-``kernels.raise_pending_errors()``; the rows they touch are NaN until then. vime sums every ``train/*`` value over micro-batches and
-DP x CP ranks and divides by the step's sample count (or token count with
-``--calculate-per-token-loss``; ``reduce_train_step_metrics``): each telemetry value is therefore
-logged multiplied by the call's share of that denominator (``call_weight``), so ``train/rlk_fallback``
-reads the fraction of calls that fell back and ``train/rlk_*_ms`` the mean time per call.
+No host sync: with the kernels on, a call and its backward never wait for the GPU (telemetry filled
+on the device, host values sent through pinned memory), so a micro-batch never drains Megatron's
+launch queue. Bad ids the kernels find raise ``kernels.DeviceInputError`` at a later call without
+waiting (the next at the latest), or at ``kernels.raise_pending_errors()``; the rows they touch are
+NaN until then.
 """
 
 from __future__ import annotations
