@@ -43,7 +43,7 @@ class DeviceClock:
             raise ValueError(f"DeviceClock needs a CUDA device, got {device} (time a CPU with time.perf_counter)")
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (a start and an end), got {slots}")
-        self.stamps = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.stamps = torch.empty(slots, dtype=torch.int64, device=device)  # each slot is read after its stamp
 
     def stamp(self, slot: int) -> None:
         if not 0 <= slot < self.stamps.shape[0]:

@@ -14,6 +14,7 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <dlfcn.h>
 
 #include <atomic>
@@ -325,6 +326,15 @@ inline PyCFunction fastcall(FastCall function) {
 }
 
 // ---------------------------------------------------------------- the call object
+
+// The tensors args[0..n) if each is a plain tensor (torch.Tensor or Parameter), else false.
+inline bool plain_tensors(PyObject* const* args, int n, const at::Tensor** out) {
+  for (int i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(args[i])) return false;
+    out[i] = &THPVariable_Unpack(args[i]);
+  }
+  return true;
+}
 
 // obj.name, with the name interned once (a lookup per call, no string built).
 inline PyObject* get_attr(PyObject* obj, const char* name) {

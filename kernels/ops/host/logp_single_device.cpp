@@ -248,15 +248,6 @@ PyObject* forward(PyObject*, PyObject* call_obj) {
 
 // ---------------------------------------------------------------- registration
 
-// The tensors args[0..n) if each is a plain tensor, else false.
-bool plain_tensors(PyObject* const* args, int n, const at::Tensor** out) {
-  for (int i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(args[i])) return false;
-    out[i] = &THPVariable_Unpack(args[i]);
-  }
-  return true;
-}
-
 // Stores `native` (a kernel the Python path launched for these inputs) in `registry` under its key;
 // the Python result (True, False or None) or nullptr with an error. `kernel_args`: the kernel's
 // arguments with the pointers zeroed, to check that its parameter letters fit them.

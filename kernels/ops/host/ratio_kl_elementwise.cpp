@@ -114,15 +114,6 @@ uint64_t kernel_key(const at::Tensor* const* inputs, int64_t kl_code, bool unbia
 
 unsigned grid_of(int64_t n) { return static_cast<unsigned>((n + elementwise_block - 1) / elementwise_block); }
 
-// The tensors args[0..n) if each is a plain tensor, else false.
-bool plain_tensors(PyObject* const* args, int n, const at::Tensor** out) {
-  for (int i = 0; i < n; ++i) {
-    if (!THPVariable_CheckExact(args[i])) return false;
-    out[i] = &THPVariable_Unpack(args[i]);
-  }
-  return true;
-}
-
 // kl_code (0..3) and unbiased (a bool) from args[0] and args[1], or false (no Python error left).
 bool kl_flags(PyObject* const* args, int64_t* kl_code, bool* unbiased) {
   const long code = PyLong_AsLong(args[0]);
