@@ -148,6 +148,31 @@ def test_bench_on_cpu_reports_quantiles():
         bench(lambda: None, quantiles=(50,))
 
 
+def test_lowest_of_rounds_takes_the_least_disturbed_round(monkeypatch):
+    """A host whose speed comes in regimes: the rounds' medians 0.9, 0.4 (undisturbed), 2.5 ms. The
+    result is the lowest round's, the rounds are paused apart, and the bench options reach each."""
+    from pytest_rlk import timing
+
+    medians = iter([0.9, 0.4, 2.5])
+    seen, pauses = [], []
+
+    def fake_bench(fn, **kwargs):
+        seen.append(kwargs)
+        median = next(medians)
+        return timing.BenchResult(median_ms=median, p20=median, p80=median, mean=median, n=5)
+
+    monkeypatch.setattr(timing, "bench", fake_bench)
+    monkeypatch.setattr(timing.time, "sleep", pauses.append)
+    lowest = timing.bench_lowest_of_rounds(lambda: None, rounds=3, pause_s=0.1, rep_ms=7, device="cpu")
+    assert lowest.median_ms == 0.4
+    assert pauses == [0.1, 0.1]
+    assert seen == [{"rep_ms": 7, "device": "cpu"}] * 3
+    with pytest.raises(ValueError, match="rounds=0"):
+        timing.bench_lowest_of_rounds(lambda: None, rounds=0)
+    with pytest.raises(ValueError, match="pause_s=-1"):
+        timing.bench_lowest_of_rounds(lambda: None, pause_s=-1)
+
+
 def test_memory_helpers_without_cuda_return_none():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

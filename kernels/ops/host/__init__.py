@@ -65,6 +65,12 @@ class HostModule:
             return "c++"
         return f"python ({'turned off' if self._off else self._disabled or 'no kernel registered'})"
 
+    def calls_served(self) -> int:
+        """The calls the module's forward served in this process (0 before it is built): a
+        benchmark compares it around one call to tell whether the C++ path took that call."""
+        module = self._module
+        return 0 if module is None else int(module.served())
+
     def registry(self) -> ModuleType | None:
         """The module to register the op's kernels with (:meth:`load`), or None inside
         ``off(register=False)``."""
