@@ -122,9 +122,10 @@ def divergence_problems(case: StepCase, kernels: Divergence, control: Divergence
 
 # The stages the vime adapter times on the device's own clock: our ops' calls. The step's other
 # stages (the model's forward and backward, the optimizer, the whole step) are host-synchronized
-# wall times of an eager model, which follow the shared host's speed: between two H100 runs they
-# moved by 29-74% in both arms (61-74% in the reference arm, which runs no op of ours). They are
-# recorded, never gated.
+# wall times of an eager model, which follow the shared host's speed (between two H100 runs they
+# moved by 29-74% in both arms, 61-74% in the reference arm, which runs no op of ours) and the arm's
+# place in the run (the arm that runs second is 20-40% slower, whichever it is). They are recorded,
+# never gated, and do not compare the arms.
 OP_STAGES = ("logp", "ratio_kl", "loss")
 # rel: the default time band; abs: a stage's device-clock stamps bracket its launches, so a
 # microseconds-long stage (ratio_kl, 4.9-5.0 us on the H100 and the H200) moves by launch spacing
