@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -53,35 +52,20 @@ def _named_stages():
         adapter.StageTimer.stage = stage
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _step(model, batch, args, sosm, optimizer, walls: dict[str, float]) -> None:
+    """train_step.one_step, each stage a profiler range ``step.<name>`` timed as the training step
+    times it, and the adapter's own stage times per call."""
+    synced = train_step.synced_timer(next(model.parameters()).device, walls)
+
     def timed(name, fn):
-        _sync()
-        start = time.perf_counter()
-        with torch.profiler.record_function(f"step.{name}"):
-            out = fn()
-        _sync()
-        walls[name] = (time.perf_counter() - start) * 1e3
-        return out
+        def profiled():
+            with torch.profiler.record_function(f"step.{name}"):
+                return fn()
 
-    logits = timed("forward", lambda: train_step.packed_logits(model, train_step._prompts(batch),
-                                                                train_step._responses(batch)))
-    loss, metrics = timed("policy_loss", lambda: adapter.policy_loss(args, batch, logits, sosm))
-    weight = float(adapter.call_weight(args, batch))  # the adapter logs each stage time times the call's weight
-    for name in adapter.STAGE_METRICS:
-        walls[name] = float(metrics[name]) / weight
-    timed("backward", loss.backward)
+        return synced(name, profiled)
 
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    timed("optimizer", update)
+    _, metrics, _ = train_step.one_step(model, batch, args, sosm, optimizer, timed)
+    walls.update(train_step.adapter_stage_ms(args, batch, metrics))
 
 
 def _ranges(prof) -> dict[str, dict[str, float]]:

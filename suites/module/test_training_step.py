@@ -120,13 +120,12 @@ def divergence_problems(case: StepCase, kernels: Divergence, control: Divergence
     return problems
 
 
-# The stages the vime adapter times on the device's own clock: our ops' calls. The step's other
-# stages (the model's forward and backward, the optimizer, the whole step) are host-synchronized
-# wall times of an eager model, which follow the shared host's speed (between two H100 runs they
-# moved by 29-74% in both arms, 61-74% in the reference arm, which runs no op of ours) and the arm's
-# place in the run (the arm that runs second is 20-40% slower, whichever it is). They are recorded,
-# never gated, and do not compare the arms.
-OP_STAGES = ("logp", "ratio_kl", "loss")
+# Stage times gate only for train_step.OP_STAGES, our ops' calls timed by the vime adapter on the
+# device's own clock. The step's other stages (the model's forward and backward, the optimizer, the
+# whole step) are host-synchronized wall times of an eager model, which follow the shared host's
+# speed (between two H100 runs they moved by 29-74% in both arms, 61-74% in the reference arm, which
+# runs no op of ours) and the arm's place in the run (the arm that runs second is 20-40% slower,
+# whichever it is). They are recorded, never gated, and do not compare the arms.
 # rel: the default time band; abs: a stage's device-clock stamps bracket its launches, so a
 # microseconds-long stage (ratio_kl, 4.9-5.0 us on the H100 and the H200) moves by launch spacing
 OP_STAGE_BAND = {"rel": 0.15, "abs_floor": 0.002,
@@ -137,10 +136,10 @@ def times_gate(case: StepCase, device: torch.device, kernels_backend: bool | str
     """Whether an arm's stage time gates against the platform baseline: on a GPU only (shared CPU
     cores are noisy), in a run of our kernels (not a control backend), the kernels arm's alone (the
     reference arm's are the fp32 reference backend's, recorded beside them), only our ops' stages
-    (``OP_STAGES``, device time) and only where the case's step keeps the GPU busy
+    (``train_step.OP_STAGES``, device time) and only where the case's step keeps the GPU busy
     (``StepCase.gates_times``: otherwise the device clock's span holds the host's launch gaps)."""
     return (device.type == "cuda" and kernels_backend is True and case.gates_times and arm == "kernels"
-            and stage in OP_STAGES)
+            and stage in train_step.OP_STAGES)
 
 
 def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, progress,
@@ -230,7 +229,7 @@ def test_a_kernel_wrong_by_a_thousandth_of_a_log_prob_fails(kernels_arm, device,
 
 def test_stage_times_gate_only_for_our_ops_in_the_kernels_arm_of_a_device_bound_case_on_a_gpu():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for stage in OP_STAGES:
+    for stage in train_step.OP_STAGES:
         assert times_gate(GPU_CASE, cuda, True, "kernels", stage)
     for stage in ("forward", "backward", "optimizer", "step"):  # the eager model's host-synchronized times
         assert not times_gate(GPU_CASE, cuda, True, "kernels", stage)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,7 +22,9 @@ from kernels.integrations import vime as adapter
 from suites.module import vime_standin as standin
 from suites.module.loss_cases import batch_to
 
-MODULES = ("forward", "logp", "ratio_kl", "loss", "backward", "optimizer", "step")
+# the stages the vime adapter times on the device's clock (its rlk_<stage>_ms), recorded per call
+OP_STAGES = ("logp", "ratio_kl", "loss")
+MODULES = ("forward", *OP_STAGES, "backward", "optimizer", "step")
 
 
 @dataclasses.dataclass
@@ -104,20 +107,51 @@ def vime_batch(model: torch.nn.Module, rollout: Rollout) -> dict:
         rollout_logp=split(sampler), advantages=[adv[i].expand(n).clone() for i, n in enumerate(lens)])
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    def now() -> float:
+def synced_timer(device: torch.device, walls_ms: dict[str, float]) -> Callable[[str, Callable[[], Any]], Any]:
+    """A ``timed(name, fn)`` for :func:`one_step`: ``fn``'s wall time in ms into ``walls_ms[name]``,
+    the device synchronized at both ends (so that a stage's time holds its own GPU work)."""
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter()
+        start = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        walls_ms[name] = (time.perf_counter() - start) * 1e3
+        return out
 
-    return now
+    return timed
+
+
+def one_step(model: torch.nn.Module, batch: dict, args, sum_of_sample_mean, optimizer: torch.optim.Optimizer,
+             timed: Callable[[str, Callable[[], Any]], Any], *, max_grad_norm: float = 1.0):
+    """One optimizer step on ``batch`` (on the model's device): forward, vime's loss through the
+    adapter, backward, grad-norm clip and optimizer step, each stage run as ``timed(name, fn)``
+    (names: forward, policy_loss, backward, optimizer). Returns (loss, the adapter's metrics, grad norm)."""
+    logits = timed("forward", lambda: packed_logits(model, _prompts(batch), _responses(batch)))
+    loss, metrics = timed("policy_loss", lambda: adapter.policy_loss(args, batch, logits, sum_of_sample_mean))
+    timed("backward", loss.backward)
+
+    def update() -> torch.Tensor:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    return loss, metrics, timed("optimizer", update)
+
+
+def adapter_stage_ms(args, batch: dict, metrics: dict) -> dict[str, float]:
+    """The adapter's stage times of one call (``rlk_<stage>_ms``, every one in adapter.STAGE_METRICS)
+    per call: the adapter logs each multiplied by the call's weight (vime's metric convention)."""
+    weight = float(adapter.call_weight(args, batch))
+    return {name: float(metrics[name]) / weight for name in adapter.STAGE_METRICS}
 
 
 def train(model: torch.nn.Module, batch: dict, args, *, steps: int, lr: float = 1e-3,
           max_grad_norm: float = 1.0) -> StepLog:
     """``steps`` optimizer steps on one rollout batch (vime's several steps per rollout)."""
     device = next(model.parameters()).device
-    now = _clock(device)
     batch = batch_to(batch, device)
     sosm = standin.sum_of_sample_mean_standin(batch["response_lengths"], batch["loss_masks"],
                                               args.calculate_per_token_loss)
@@ -127,27 +161,20 @@ def train(model: torch.nn.Module, batch: dict, args, *, steps: int, lr: float = 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device)
+    walls: dict[str, float] = {}
+    timed = synced_timer(device, walls)
     for _ in range(steps):
-        t0 = now()
-        logits = packed_logits(model, _prompts(batch), _responses(batch))
-        t1 = now()
-        loss, metrics = adapter.policy_loss(args, batch, logits, sosm)
-        t2 = now()
-        loss.backward()
-        t3 = now()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t4 = now()
+        loss, metrics, grad_norm = one_step(model, batch, args, sosm, optimizer, timed, max_grad_norm=max_grad_norm)
         log.loss.append(float(loss.detach()))
         log.grad_norm.append(float(grad_norm))
         log.metrics.append({k: float(v) for k, v in metrics.items()})
         log.fallbacks += float(metrics["rlk_fallback"])
-        for name, value in (("forward", t1 - t0), ("backward", t3 - t2), ("optimizer", t4 - t3), ("step", t4 - t0)):
-            log.times_ms[name].append(value * 1e3)
-        weight = float(adapter.call_weight(args, batch))  # the adapter logs each stage time times it
-        for module in ("logp", "ratio_kl", "loss"):
-            log.times_ms[module].append(float(metrics[f"rlk_{module}_ms"]) / weight)
+        for name in ("forward", "backward", "optimizer"):
+            log.times_ms[name].append(walls[name])
+        log.times_ms["step"].append(sum(walls.values()))
+        stage_ms = adapter_stage_ms(args, batch, metrics)
+        for module in OP_STAGES:
+            log.times_ms[module].append(stage_ms[f"rlk_{module}_ms"])
     if device.type == "cuda":
         # Above what was resident when training started (the models of both arms, the batch), so
         # the arms compare although the other arm's model is still alive.
