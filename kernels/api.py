@@ -7,6 +7,10 @@ an error naming it on every backend, never a fallback. The checks that read devi
 range, packed lengths) run in the kernels of a backend that checks them on the device, else on the
 host before the backend runs (:func:`kernels.dispatch.run`).
 
+``ratio_kl`` tries its serving backend's host-first entry before the call is built
+(:func:`kernels.dispatch.run_host_first`): the C++ host path of a common-case call checks what it
+relies on itself, serves the call with the bits the checked call gets, and declines the rest.
+
 Under ``torch.compile`` a checked call goes through its PyTorch operator (``torch.ops.rlk.<op>``,
 kernels/library/), whose implementation runs the same dispatch and value checks per call: the
 compiler traces it without a graph break. An eager call skips the operator layer (its host time)
@@ -14,6 +18,8 @@ for the same bits.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -58,7 +64,10 @@ def _linear_logp(call: LinearLogpCall) -> torch.Tensor:
 
 
 logp = entry_point(LogpCall, _logp, name="logp", checks_values=True)
-ratio_kl = entry_point(RatioKLCall, _ratio_kl, name="ratio_kl", checks_values=True)
+# ratio_kl's host path takes the public arguments themselves (logp's and grpo_loss's read the checked
+# call), so a common-case call skips building the call and choosing its backend
+ratio_kl = entry_point(RatioKLCall, _ratio_kl, name="ratio_kl", checks_values=True,
+                       first=functools.partial(dispatch.run_host_first, "ratio_kl"))
 grpo_loss = entry_point(GrpoLossCall, _grpo_loss, name="grpo_loss", checks_values=True)
 linear_logp = entry_point(LinearLogpCall, _linear_logp, name="linear_logp", checks_values=True)
 

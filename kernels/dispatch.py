@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from kernels import backends, settings
 from kernels.contracts.checks import check_call_values
 
@@ -111,6 +113,22 @@ def run(op: str, call: Any) -> Any:
     if op not in getattr(backend, "checks_values", ()):
         check_call_values(call)
     return impl(call)
+
+
+def run_host_first(op: str, args: tuple, kwargs: dict) -> Any:
+    """``op``'s result for the public call's raw ``args``/``kwargs`` from the host-first entry of the
+    backend :func:`run` would ask, or None: the entry declines, or the lane is closed (compiling,
+    kernels off, ``op`` not allowed, the backend not loaded yet or without such an entry).
+
+    A backend's ``host_first(op)`` (kernels/backends/base.py) serves only calls its contract accepts
+    and ``supports`` admits, with the checked call's bits, so no check and no fallback is skipped;
+    a bad call is declined and then named by the contract. The backend is never loaded here: a load
+    that fails is a fallback, which :func:`run` records."""
+    if torch.compiler.is_compiling() or not _KERNELS() or not op_allowed(op):
+        return None
+    first = getattr(backends.loaded_backend(_BACKEND()), "host_first", None)
+    entry = None if first is None else first(op)
+    return None if entry is None else entry(*args, **kwargs)
 
 
 def fallback_counts() -> dict[str, int]:

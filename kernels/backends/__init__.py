@@ -91,6 +91,11 @@ def get_backend(name: str) -> Backend:
     return _instances[name]
 
 
+def loaded_backend(name: str) -> Backend | None:
+    """The backend instance for ``name`` if :func:`get_backend` has loaded it, else None (loads nothing)."""
+    return _instances.get(name)
+
+
 def available_backends() -> list[str]:
     """Names known without importing them: registered, built-in and entry points."""
     names = set(_factories) | set(BUILTIN_BACKENDS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
@@ -108,6 +113,7 @@ __all__ = [
     "available_backends",
     "get_backend",
     "load_dotted",
+    "loaded_backend",
     "register_backend",
     "unregister_backend",
 ]

@@ -19,6 +19,7 @@ from kernels.backends.base import OPS, BaseBackend, Capabilities, import_functio
 
 TRITON_BACKEND_VERSION = "0.1.0"
 _UNKNOWN = object()
+_OP_MODULES = {op: f"kernels.ops.{op}" for op in OPS}
 
 
 @functools.cache
@@ -101,6 +102,13 @@ class TritonBackend(BaseBackend):
             return interpreter_fails()
         return None
 
+    def host_first(self, op: str) -> Callable[..., Any] | None:
+        """The op module's ``host_first`` (its C++ host path on the public arguments; ratio_kl's),
+        once the module is loaded: the first call through ``get`` loads it, and the host path holds
+        no kernel before that call has run anyway. Never imports (which would fix Triton's
+        interpreter state for the process)."""
+        return getattr(sys.modules.get(_OP_MODULES.get(op, "")), "host_first", None)
+
     def get(self, op: str) -> Callable[..., Any]:
         if op not in self.capabilities.ops:
             raise KeyError(f"{self.id} does not implement {op!r}")
@@ -108,7 +116,7 @@ class TritonBackend(BaseBackend):
         # linear_logp's kernels take their ids check from kernels/ops/value_checks.py
         if op == "linear_logp":
             return import_function("kernels.ops.value_checks", "linear_logp_call")
-        return import_function(f"kernels.ops.{op}", f"{op}_call")
+        return import_function(_OP_MODULES[op], f"{op}_call")
 
 
 def make_backend() -> TritonBackend:

@@ -24,16 +24,30 @@ R = TypeVar("R")
 
 
 def entry_point(call_type: Callable[P, C], run: Callable[[C], R], *, name: str | None = None,
-                doc: str | None = None, checks_values: bool = False) -> Callable[P, R]:
+                doc: str | None = None, checks_values: bool = False,
+                first: Callable[[tuple, dict], R | None] | None = None) -> Callable[P, R]:
     """``f(*args, **kwargs) = run(call_type(*args, **kwargs))``, with the call type's signature
     (``help()``, ``inspect.signature``), ``run``'s name (or ``name``) and, as its docstring, ``doc``
     or ``run``'s followed by the call type's (the contract). ``f.run`` is ``run``.
 
     ``checks_values``: ``run``'s kernels check the values a call leaves to the device (ids range,
     lengths; kernels/device_errors.py). Otherwise those checks run on the host before ``run``
-    (checks.check_call_values; a host sync for device tensors)."""
+    (checks.check_call_values; a host sync for device tensors).
 
-    if checks_values:
+    ``first``: ``first(args, kwargs)`` runs before the call is built, and its result, unless None,
+    is the call's (``kernels.dispatch.run_host_first``: a backend's host path that checks what it
+    relies on itself and declines everything else, whose call is then built and checked here)."""
+
+    if first is not None:
+        def entry(*args: P.args, **kwargs: P.kwargs) -> R:
+            out = first(args, kwargs)
+            if out is not None:
+                return out
+            call = call_type(*args, **kwargs)
+            if not checks_values:
+                check_call_values(call)
+            return run(call)
+    elif checks_values:
         def entry(*args: P.args, **kwargs: P.kwargs) -> R:
             return run(call_type(*args, **kwargs))
     else:

@@ -15,9 +15,11 @@ forward kernel this module compiled and registered for the same key, and where a
 wanted attaches a C++ autograd node that launches the registered backward kernel. Anything else,
 or a call whose kernels are not registered yet, runs the Python path below (which launches through
 ``kernels.launch``, and skips ``autograd.Function`` when there is nothing to differentiate).
-``ratio_kl(...)`` tries the host path before the contract's Python checks (it checks what it relies
-on itself and declines the rest, whose checks then name the bad input); ``ratio_kl_call(call)``
-serves an already checked call (the dispatched path).
+``host_first(...)`` tries the host path on the public arguments, before the contract's Python checks
+(it checks what it relies on itself and declines the rest, whose checks then name the bad input):
+the backend offers it to the public ``kernels.ratio_kl`` (kernels/backends/base.py), and
+``ratio_kl(...)`` here runs it first too; ``ratio_kl_call(call)`` serves an already checked call
+(the dispatched path).
 """
 
 from __future__ import annotations
@@ -197,6 +199,22 @@ def _host_path(logp, old_logp, ref_logp, mask, code: int, unbiased: bool):
     return host_forward(logp, old_logp, ref_logp, mask, code, unbiased)
 
 
+def host_first(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_type: str = "low_var_kl",
+    use_unbiased_kl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``RatioKLCall``'s arguments -> (ratio, kl) from the C++ host path, or None where it declines
+    (the caller then builds and checks the call). It accepts a subset of what the contract accepts
+    and checks it field by field (the host path's contract, kernels/ops/host/ratio_kl_elementwise.cpp),
+    so its result is the checked call's; an unknown ``kl_type`` raises as the contract does."""
+    return _host_path(logp, old_logp, ref_logp, mask, kl_type_code(kl_type), bool(use_unbiased_kl))
+
+
 def ratio_kl_call(call: RatioKLCall) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratio, kl) fp32 [T] on the Triton kernels (the host path first), autograd to ``logp``."""
     code = kl_type_code(call.kl_type)
@@ -224,9 +242,8 @@ def ratio_kl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``RatioKLCall``'s arguments (kernels/contracts/ratio_kl.py) -> (ratio, kl) fp32 [T]. The host
     path runs before the contract's checks: a direct call of a few tokens is all host time."""
-    code = kl_type_code(kl_type)
-    out = _host_path(logp, old_logp, ref_logp, mask, code, bool(use_unbiased_kl))
+    out = host_first(logp, old_logp, ref_logp, mask, kl_type=kl_type, use_unbiased_kl=use_unbiased_kl)
     if out is not None:
         return out
     call = RatioKLCall(logp, old_logp, ref_logp, mask, kl_type=kl_type, use_unbiased_kl=use_unbiased_kl)
-    return _ratio_kl(call.logp, call.old_logp, call.ref_logp, call.mask, code, call.use_unbiased_kl)
+    return _ratio_kl(call.logp, call.old_logp, call.ref_logp, call.mask, kl_type_code(kl_type), call.use_unbiased_kl)

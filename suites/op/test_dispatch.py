@@ -1,5 +1,6 @@
 """Dispatch: switches read at call time, allowlist, backend choice, loud fallback (one log line
-per (op, reason), a per-op counter) and strict mode (KernelFallbackError)."""
+per (op, reason), a per-op counter), strict mode (KernelFallbackError) and a backend's host-first
+entry (served once the backend is loaded, declined calls dispatched)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rlk_op_cases import DEVICE, loss_inputs, make_ids, make_logits
 import kernels
 from kernels import backends, dispatch
 from kernels.backends.base import BaseBackend, Capabilities
+from kernels.reference import ratio_kl as reference_ratio_kl
 from kernels.reference import selected_logprob
 from pytest_rlk.e2e.processes import pythonpath_first
 
@@ -48,6 +50,63 @@ def logp_only_backend(monkeypatch):
     yield
     backends.unregister_backend("logp-only")
     kernels.reset_fallback_counts()
+
+
+class RatioKLFirstBackend(BaseBackend):
+    """A third-party-style backend with a host-first entry: ratio_kl on the raw public arguments for
+    a bool mask (anything else declined), every call through ``get`` otherwise; both the reference's
+    math. It records which of the two served."""
+
+    id = "ratio-kl-first"
+    version = "1.0"
+    capabilities = Capabilities(ops=frozenset({"ratio_kl"}))
+
+    def __init__(self):
+        self.served = []
+
+    def host_first(self, op):
+        return self._first if op == "ratio_kl" else None
+
+    def _first(self, logp, old_logp, ref_logp, mask, **options):
+        if mask.dtype != torch.bool:
+            return None
+        self.served.append(("first", options))
+        return reference_ratio_kl(logp, old_logp, ref_logp, mask, **options)
+
+    def get(self, op):
+        def serve(call):
+            self.served.append(("get", call.kl_type))
+            return reference_ratio_kl(call.logp, call.old_logp, call.ref_logp, call.mask, kl_type=call.kl_type)
+
+        return serve
+
+
+def test_host_first_entry_serves_once_its_backend_is_loaded_and_declines_to_dispatch(monkeypatch, kernels_off):
+    backends.register_backend("ratio-kl-first", RatioKLFirstBackend)
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    monkeypatch.setenv("VIME_RL_KERNEL_BACKEND", "ratio-kl-first")
+    try:
+        logp = -torch.rand(8)
+        inputs = [logp, logp + 0.1, logp - 0.2, torch.rand(8) > 0.3]
+        want = reference_ratio_kl(*inputs, kl_type="k2")
+        assert backends.loaded_backend("ratio-kl-first") is None
+        got = kernels.ratio_kl(*inputs, kl_type="k2")  # the lane never loads a backend: dispatch does
+        backend = backends.loaded_backend("ratio-kl-first")
+        assert backend is not None and backend.served == [("get", "k2")]
+        for _ in range(2):
+            got = kernels.ratio_kl(*inputs, kl_type="k2")
+        assert backend.served[1:] == [("first", {"kl_type": "k2"})] * 2
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        kernels.ratio_kl(*inputs[:3], inputs[3].float())  # declined: built, checked, dispatched
+        assert backend.served[-1] == ("get", "low_var_kl")
+        with pytest.raises(ValueError, match=r"mask must have shape \[8\]"):
+            kernels.ratio_kl(*inputs[:3], inputs[3][:-1].float())
+        count = len(backend.served)
+        monkeypatch.setenv("VIME_RL_KERNEL", "0")
+        kernels.ratio_kl(*inputs)
+        assert len(backend.served) == count and kernels.fallback_counts() == {}
+    finally:
+        backends.unregister_backend("ratio-kl-first")
 
 
 def test_off_by_default_runs_reference_without_fallback(kernels_off):

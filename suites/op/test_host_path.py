@@ -4,8 +4,9 @@ logp's single-device forward and backward.
 CPU: the module builds against the installed torch (skipped, with the reason, where there is no
 C++ compiler or torch's headers), declines every call that is not the common case (so the Python
 path's checks run), and a build that cannot run turns the host path off loudly, once.
-GPU: on repeat calls the host path serves the common case bitwise equal to the Python path, over
-what the kernel is specialized on; everything else (non-contiguous, another device, a gradient
+The public ``kernels.ratio_kl`` asks the host path before it builds or dispatches its call (a stand-in
+host path on CPU). GPU: on repeat calls the host path serves the common case bitwise equal to the
+Python path, over what the kernel is specialized on, the public call without dispatch; everything else (non-contiguous, another device, a gradient
 through misaligned inputs, bad input) still takes the Python path, with its errors; CUDA-graph capture records it. ratio_kl
 with a gradient: ratio, kl and dlogp bitwise equal to autograd.Function's over KL types, dtypes,
 T == 1 and gradients that are random, undefined (kl unused) or expanded; its node's autograd
@@ -162,6 +163,46 @@ def test_ratio_kl_asks_its_host_module_first_and_not_while_it_is_off(monkeypatch
         ratio_kl_op.ratio_kl(*inputs)
     assert len(asked) == 1
     assert ratio_kl_op.ratio_kl(*inputs) is answer and len(asked) == 2
+
+
+def test_public_ratio_kl_asks_the_host_path_before_building_or_dispatching_its_call(monkeypatch, triton_strict):
+    """``kernels.ratio_kl`` hands its raw arguments to the backend's host-first entry (this op
+    module's ``host_first``): a call the host path serves is neither built nor dispatched; one it
+    declines is, and the contract's checks name a bad input."""
+    import kernels
+    from kernels import dispatch
+
+    if torch.cuda.is_available():
+        inputs = [t.cuda() for t in _cpu_inputs()]
+    else:
+        monkeypatch.setattr(launch, "fast_path_now", lambda: _FakeRuntime())
+        inputs = _cpu_inputs()
+    kernels.ratio_kl(*inputs)  # through dispatch: loads the backend and the op's module
+    asked, answer = [], (torch.zeros(16), torch.zeros(16))
+
+    def host(*args):
+        asked.append(args[4:])
+        return answer if args[3].dtype == torch.bool else None  # declines a float mask
+
+    monkeypatch.setattr(ratio_kl_op._HOST, "forward", host)
+    dispatched, select = [], dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda op, **case: dispatched.append(op) or select(op, **case))
+    assert kernels.ratio_kl(*inputs) is answer and asked == [(3, False)] and not dispatched
+    assert kernels.ratio_kl(*inputs, kl_type="k2", use_unbiased_kl=1) is answer and asked[-1] == (1, True)
+    float_mask = [*inputs[:3], inputs[3].float()]
+    ratio, kl = kernels.ratio_kl(*float_mask)  # declined: built, checked, dispatched
+    assert dispatched == ["ratio_kl"] and ratio is not answer[0] and bool(torch.isfinite(kl).all())
+    with pytest.raises(ValueError, match=r"old_logp must have shape \[16\]"):
+        kernels.ratio_kl(float_mask[0], float_mask[1][:-1], *float_mask[2:])
+    with pytest.raises(ValueError, match="kl_type must be one of"):
+        kernels.ratio_kl(*inputs, kl_type="k9")
+    # closed where dispatch would not ask this backend: the op not allowed, kernels off
+    asked.clear()
+    for name, value in (("VIME_RL_KERNEL_OPS", "logp"), ("VIME_RL_KERNEL", "0")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert kernels.ratio_kl(*inputs)[0] is not answer[0]
+    assert not asked
 
 
 def test_a_host_path_that_cannot_be_built_is_off_loudly_once(monkeypatch, tmp_path, caplog):
@@ -329,6 +370,31 @@ def _host_path_replays(step, served, calls: int) -> None:
         assert served() == before + calls
     torch.cuda.current_stream().wait_stream(stream)
     _replays_to(graph, captured, want)
+
+
+@pytest.mark.gpu
+def test_ratio_kl_host_path_serves_the_public_call_before_dispatch(monkeypatch):
+    import kernels
+    from kernels import dispatch
+    from kernels.contracts import RatioKLCall
+
+    _require_host_path()
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    logp, old, ref, mask = _gpu_inputs(64)
+    with torch.no_grad():
+        kernels.ratio_kl(logp, old, ref, mask)  # registers the forward kernel
+        want = dispatch.run("ratio_kl", RatioKLCall(logp, old, ref, mask))
+        before = ratio_kl_op._HOST.calls_served()
+        with monkeypatch.context() as patch:
+            patch.setattr(dispatch, "select", lambda op, **case: pytest.fail(f"{op} was dispatched"))
+            got = kernels.ratio_kl(logp, old, ref, mask)
+        assert ratio_kl_op._HOST.calls_served() == before + 1
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with pytest.raises(ValueError, match=r"old_logp must have shape \[64\]"):
+            kernels.ratio_kl(logp, old[:-1], ref, mask)
+        with pytest.raises(ValueError, match="old_logp is on cpu but expected cuda:0"):
+            kernels.ratio_kl(logp, old.cpu(), ref, mask)
+    assert ratio_kl_op._HOST.calls_served() == before + 1
 
 
 @pytest.mark.gpu
