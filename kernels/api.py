@@ -7,7 +7,7 @@ an error naming it on every backend, never a fallback. The checks that read devi
 range, packed lengths) run in the kernels of a backend that checks them on the device, else on the
 host before the backend runs (:func:`kernels.dispatch.run`).
 
-``ratio_kl`` tries its serving backend's host-first entry before the call is built
+``logp`` and ``ratio_kl`` try their serving backend's host-first entry before the call is built
 (:func:`kernels.dispatch.run_host_first`): the C++ host path of a common-case call checks what it
 relies on itself, serves the call with the bits the checked call gets, and declines the rest.
 
@@ -63,9 +63,11 @@ def _linear_logp(call: LinearLogpCall) -> torch.Tensor:
     return dispatch.run("linear_logp", call)
 
 
-logp = entry_point(LogpCall, _logp, name="logp", checks_values=True)
-# ratio_kl's host path takes the public arguments themselves (logp's and grpo_loss's read the checked
-# call), so a common-case call skips building the call and choosing its backend
+# the ops whose calls of a few tokens are all host time ask the backend's host-first entry before
+# building, checking and dispatching the call (grpo_loss's host path reads the checked call; its
+# fwd+bwd host time is autograd's)
+logp = entry_point(LogpCall, _logp, name="logp", checks_values=True,
+                   first=functools.partial(dispatch.run_host_first, "logp"))
 ratio_kl = entry_point(RatioKLCall, _ratio_kl, name="ratio_kl", checks_values=True,
                        first=functools.partial(dispatch.run_host_first, "ratio_kl"))
 grpo_loss = entry_point(GrpoLossCall, _grpo_loss, name="grpo_loss", checks_values=True)

@@ -14,7 +14,7 @@ A backend is an object with:
 
 Optional: ``host_first(op) -> Callable | None``, an entry that takes the public function's raw
 arguments and returns its result, or None to decline (``kernels.dispatch.run_host_first``; the
-public ``ratio_kl`` asks for it before building its call). It serves only calls the contract
+public ``logp`` and ``ratio_kl`` ask for it before building their call). It serves only calls the contract
 accepts and ``supports`` admits, with the bits ``get(op)(call)`` gives; it checks whatever it
 relies on itself and declines anything else, which the contract then checks and names. It is
 where a call of a few tokens saves the host time of building, checking and dispatching the call.

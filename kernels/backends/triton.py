@@ -103,7 +103,7 @@ class TritonBackend(BaseBackend):
         return None
 
     def host_first(self, op: str) -> Callable[..., Any] | None:
-        """The op module's ``host_first`` (its C++ host path on the public arguments; ratio_kl's),
+        """The op module's ``host_first`` (its C++ host path on the public arguments: logp's, ratio_kl's),
         once the module is loaded: the first call through ``get`` loads it, and the host path holds
         no kernel before that call has run anyway. Never imports (which would fix Triton's
         interpreter state for the process)."""

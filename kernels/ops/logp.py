@@ -31,12 +31,15 @@ compiled and registered) the kernels for a key, single-device common-case calls 
 CUDA logits, int64 ids; kernels/ops/host/logp_single_device.cpp says which) take the host path: one
 C++ call that checks, allocates and launches the forward, with a C++ autograd node whose backward
 launches the backward kernel, so neither pass enters Python. Everything else runs the Python path,
-the only one that decides and explains; :func:`host_path` says which path calls take.
+the only one that decides and explains; :func:`host_path` says which path calls take. The public
+``kernels.logp`` asks the host path with its raw arguments (:func:`host_first`, offered by the
+backend) before it builds, checks and dispatches the call.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,7 @@ import triton.language as tl
 
 from kernels import device_errors, launch
 from kernels.contracts import LogpCall, entry_point
+from kernels.contracts.checks import IGNORE_INDEX, defer_value_check, finite_check_enabled
 from kernels.launch import CachedLaunch
 from kernels.ops.exp2 import LOG2E, exp2_correction
 from kernels.ops.host import HostModule
@@ -310,6 +314,44 @@ def host_path() -> str:
     """Which path common-case calls take now: ``c++`` (the host path holds kernels; its module's
     ``served()`` counts the calls it took), or ``python`` and why not (for benchmark tags)."""
     return _HOST.path_label()
+
+
+class _HostFirstCall:
+    """What the C++ host path reads off a ``LogpCall``, for :func:`host_first`'s raw arguments."""
+
+    __slots__ = ("deferred", "ignore_index", "logits", "target_ids", "temperature", "tp_group")
+
+    def __init__(self, logits, target_ids, temperature: float, ignore_index: int, deferred: int) -> None:
+        self.logits, self.target_ids, self.temperature = logits, target_ids, temperature
+        self.ignore_index, self.deferred, self.tp_group = ignore_index, deferred, None
+
+
+def host_first(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor | None:
+    """``LogpCall``'s arguments -> the log-prob from the C++ host path, or None where it declines (the
+    caller then builds and checks the call). The host path checks the layout it relies on (a subset
+    of the contract's); what the contract decides beyond it is decided here as the contract does:
+    the ids checked by the kernels (``defer_value_check``: device ids, ``VIME_RL_KERNEL_CHECK_IDS``
+    on), no finite check asked for, a finite float temperature > 0, an int ignore_index, no TP
+    group; an earlier call's device report is raised first. The call id is taken before the host
+    path decides: one it declines leaves an unused id."""
+    host_forward = _HOST.forward
+    if (host_forward is None or tp_group is not None or type(logits) is not torch.Tensor
+            or type(target_ids) is not torch.Tensor or type(temperature) is not float
+            or not 0.0 < temperature < math.inf or type(ignore_index) is not int):
+        return None
+    shape = logits.shape
+    if len(shape) != 2 or launch.fast_path_now() is None or not defer_value_check(target_ids) or finite_check_enabled():
+        return None
+    device_errors.raise_if_reported(logits.device)
+    call_id = device_errors.begin_call("logp", shape[0], shape[1])
+    return host_forward(_HostFirstCall(logits, target_ids, temperature, ignore_index, call_id))
 
 
 def logp_call(call: LogpCall) -> torch.Tensor:

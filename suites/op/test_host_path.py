@@ -5,7 +5,8 @@ CPU: the module builds against the installed torch (skipped, with the reason, wh
 C++ compiler or torch's headers), declines every call that is not the common case (so the Python
 path's checks run), and a build that cannot run turns the host path off loudly, once.
 The public ``kernels.ratio_kl`` asks the host path before it builds or dispatches its call (a stand-in
-host path on CPU). GPU: on repeat calls the host path serves the common case bitwise equal to the
+host path on CPU); ``logp``'s host-first entry declines, without taking a call id, what the contract
+decides otherwise. GPU: on repeat calls the host path serves the common case bitwise equal to the
 Python path, over what the kernel is specialized on, the public call without dispatch; everything else (non-contiguous, another device, a gradient
 through misaligned inputs, bad input) still takes the Python path, with its errors; CUDA-graph capture records it. ratio_kl
 with a gradient: ratio, kl and dlogp bitwise equal to autograd.Function's over KL types, dtypes,
@@ -18,7 +19,9 @@ through a retained graph), the predicted gradient's hits and misses on both path
 call served, CUDA-graph capture of forward and backward. logp: the log-prob and dlogits bitwise equal
 to the Python path's over dtypes, temperature, T (the statistics rows' alignment), with and without a
 gradient, gradients that are ones, random or expanded, a backward through a retained graph, bad ids
-reported under the call's id, the public call served and the rest declined, CUDA-graph capture.
+reported under the call's id, the public call served and the rest declined, the public call served
+before dispatch (bad ids reported under the id its host-first entry took; strict ids, the finite check
+and shapes left to the contract), CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -203,6 +206,21 @@ def test_public_ratio_kl_asks_the_host_path_before_building_or_dispatching_its_c
             env.setenv(name, value)
             assert kernels.ratio_kl(*inputs)[0] is not answer[0]
     assert not asked
+
+
+def test_logp_host_first_declines_before_taking_a_call_id_what_the_contract_decides_otherwise(monkeypatch):
+    """Without CUDA ids (checked on the host) or with a TP group, a non-float temperature, a bool
+    ignore_index or 3-D logits, ``host_first`` declines without asking the host path or taking an id."""
+    asked = []
+    monkeypatch.setattr(logp_op._HOST, "forward", lambda call: asked.append(call))
+    monkeypatch.setattr(launch, "fast_path_now", lambda: _FakeRuntime())
+    logits, ids = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    first_id = device_errors._next_id
+    for args, kwargs in [((logits, ids), {}), ((logits, ids), {"tp_group": object()}), ((logits, ids, 1), {}),
+                         ((logits, ids, float("inf")), {}), ((logits, ids), {"ignore_index": True}),
+                         ((logits[None], ids), {})]:
+        assert logp_op.host_first(*args, **kwargs) is None
+    assert not asked and device_errors._next_id == first_id
 
 
 def test_a_host_path_that_cannot_be_built_is_off_loudly_once(monkeypatch, tmp_path, caplog):
@@ -1043,6 +1061,50 @@ def test_logp_host_path_reports_bad_ids_through_the_error_word(monkeypatch):
             device_errors.raise_pending_errors()
         assert raised.value.call_id == call_id and raised.value.input == "target_ids"
         assert bool(torch.isnan(out[5])) and bool(torch.isfinite(out[6]))
+
+
+@pytest.mark.gpu
+def test_logp_host_path_serves_the_public_call_before_dispatch_with_the_contracts_decisions(monkeypatch):
+    import kernels
+    from kernels import dispatch
+
+    _require_logp_host_path(monkeypatch)
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+    for name in ("VIME_RL_KERNEL_CHECK_IDS", "VIME_RL_KERNEL_CHECK_FINITE", "VIME_RL_KERNEL_OPS"):
+        monkeypatch.delenv(name, raising=False)
+    logits, ids = _logp_gpu_inputs(64, 32000, torch.bfloat16)
+    bad = ids.clone()
+    bad[5] = 32000
+    with torch.no_grad():
+        kernels.logp(logits, ids)  # registers the forward kernel
+        want = dispatch.run("logp", LogpCall(logits, ids))
+        device_errors.raise_pending_errors()
+        before = _logp_served()
+        with monkeypatch.context() as patch:
+            patch.setattr(dispatch, "select", lambda op, **case: pytest.fail(f"{op} was dispatched"))
+            got = kernels.logp(logits, ids)
+            out = kernels.logp(logits, bad)
+        assert _logp_served() == before + 2 and torch.equal(got, want)
+        call_id = device_errors._next_id  # the bad call's, taken by the host-first entry
+        with pytest.raises(device_errors.DeviceInputError, match=r"target_ids\[5\] = 32000") as raised:
+            device_errors.raise_pending_errors()
+        assert raised.value.call_id == call_id and bool(torch.isnan(out[5])) and bool(torch.isfinite(out[6]))
+        # what the contract decides otherwise is declined, and the contract's checks run
+        monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "strict")
+        with pytest.raises(ValueError, match=r"target_ids has 1 id\(s\) outside \[0, 32000\)"):
+            kernels.logp(logits, bad)
+        monkeypatch.setenv("VIME_RL_KERNEL_CHECK_IDS", "on")
+        monkeypatch.setenv("VIME_RL_KERNEL_CHECK_FINITE", "1")
+        nan = logits.clone()
+        nan[3, 7] = float("nan")
+        with pytest.raises(ValueError, match="logits contains 1 non-finite"):
+            kernels.logp(nan, ids)
+        monkeypatch.delenv("VIME_RL_KERNEL_CHECK_FINITE")
+        with pytest.raises(ValueError, match=r"target_ids must have shape \[64\]"):
+            kernels.logp(logits, ids[:-1])
+        assert _logp_served() == before + 2
+        assert torch.equal(kernels.logp(logits, ids, 1), want)  # an int temperature: built, then served
+        assert _logp_served() == before + 3
 
 
 @pytest.mark.gpu
