@@ -43,6 +43,12 @@ pytestmark = [pytest.mark.bench, pytest.mark.gpu, pytest.mark.usefixtures("user_
 
 SHAPES = [(8192, 151936), (4096, 32000)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Cases whose plain fwd+bwd call is host-bound: GPU time (a graph replay) at or below the call's
+# host time, so their wall time follows the host's speed regime (``measure``'s ``host_bound``).
+# bf16 [4096, 32000]: 0.149 ms of GPU time on the H200 and 0.198 on the H100 against 0.125-0.195 ms
+# of fwd+bwd host time on those hosts (docs/performance-notes.md); one unchanged H200 run read 0.220
+# ms of wall against a 0.153 baseline. The kernels' speed gates on the large shape.
+HOST_BOUND_CASES = {("bf16", (4096, 32000))}
 SEQ = 256
 CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01, kl_type="low_var_kl")
 # vime's loss_function: loss * num_microbatches / step_global_batch_size * dp_world_size, then
@@ -80,7 +86,8 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
         loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
         return torch.autograd.grad(loss, logits)
 
-    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host=grpo_loss_op._HOST)
+    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host=grpo_loss_op._HOST,
+                      host_bound=(dtype_name, shape) in HOST_BOUND_CASES)
     # the two-read Triton path in the same run (what serves GPUs without clusters or nvcc)
     monkeypatch.setenv("RLK_GRPO_ONE_READ", "0")
     measure(rlk_metrics, f"{OURS}_two_read", ours, bytes_moved, tags, memory=False)

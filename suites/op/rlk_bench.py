@@ -105,7 +105,8 @@ def measure(
     it was not) gates exactly beside it, so that a call the host path declines is a regression.
 
     ``host_bound=True`` is for a call whose wall time is its host time (fwd+bwd at launch-bound
-    shapes: wall 1.2-5.7x its graph replay on both GPUs). Its wall time is the lowest of several
+    shapes: wall 1.2-5.7x its graph replay on both GPUs; a case whose GPU time is at or below the
+    call's host time, as its benchmark states). Its wall time is the lowest of several
     rounds' medians (``timing.bench_lowest_of_rounds``: the host's speed comes in regimes) and
     gates within the host-time band (``pytest_rlk/bands.py``); its fraction of the HBM limit, a
     host-bound figure, is recorded and not gated."""

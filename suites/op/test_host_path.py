@@ -351,14 +351,18 @@ def test_host_path_declines_the_rest_and_the_python_path_explains(monkeypatch):
             ratio_kl_op.ratio_kl(logp, old.cpu(), ref, mask)
     assert counting.served == 1
     leaf = logp.clone().requires_grad_()
-    for _ in range(2):  # the first backward registers its kernel: the second call is served
+    # the first backward registers its kernel unless an earlier test in this process did: the
+    # call after it is served either way
+    for _ in range(2):
+        served = counting.served
         ratio, kl = ratio_kl_op.ratio_kl(leaf, old, ref, mask)
         torch.autograd.grad((ratio + kl).sum(), leaf)
-    assert counting.served == 2 and ratio.grad_fn.name() == "RatioKLBackward"
+    assert counting.served == served + 1 and ratio.grad_fn.name() == "RatioKLBackward"
     # a gradient wanted through a misaligned input: the Python path's autograd.Function
+    served = counting.served
     misaligned = _gpu_inputs(64, offset=1)
     ratio, kl = ratio_kl_op.ratio_kl(misaligned[0].requires_grad_(), *misaligned[1:])
-    assert counting.served == 2 and ratio.grad_fn.name() == "RatioKLFunctionBackward"
+    assert counting.served == served and ratio.grad_fn.name() == "RatioKLFunctionBackward"
     (grad,) = torch.autograd.grad((ratio + kl).sum(), misaligned[0])
     assert bool(torch.isfinite(grad).all())
 
