@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from pytest_rlk.bands import DEFAULT_BANDS
 from pytest_rlk.extras import require_extra
 
 require_extra("transformers")  # tiny real models
@@ -126,10 +127,9 @@ def divergence_problems(case: StepCase, kernels: Divergence, control: Divergence
 # speed (between two H100 runs they moved by 29-74% in both arms, 61-74% in the reference arm, which
 # runs no op of ours) and the arm's place in the run (the arm that runs second is 20-40% slower,
 # whichever it is). They are recorded, never gated, and do not compare the arms.
-# rel: the default time band; abs: a stage's device-clock stamps bracket its launches, so a
-# microseconds-long stage (ratio_kl, 4.9-5.0 us on the H100 and the H200) moves by launch spacing
-OP_STAGE_BAND = {"rel": 0.15, "abs_floor": 0.002,
-                 "source": "Megatron golden values' time band (+-15%), with a 2 us floor for stages of a few us"}
+# a stage's device-clock stamps bracket its launches, so a microseconds-long stage (ratio_kl) moves by
+# launch spacing
+OP_STAGE_BAND = DEFAULT_BANDS["launch_time"]
 
 
 def times_gate(case: StepCase, device: torch.device, kernels_backend: bool | str, arm: str, stage: str) -> bool:

@@ -21,6 +21,7 @@ from pytest_rlk.bands import DEFAULT_BANDS
 
 OURS = "rlk"
 HOST_TIME_BAND = DEFAULT_BANDS["host_time"]
+LAUNCH_TIME_BAND = DEFAULT_BANDS["launch_time"]
 # a host-bound call's wall time: the lowest median of this many rounds, this far apart
 HOST_BOUND_ROUNDS, HOST_BOUND_PAUSE_S = 8, 0.25
 
@@ -142,8 +143,9 @@ def measure(
                                space="time", tags=all_tags, gate=False)
             rlk_metrics.record(f"{impl}_wall_over_graph", result.median_ms / graph_ms, direction="lower_is_better",
                                space="ratio", tags=all_tags, gate=False)
+    band = HOST_TIME_BAND if host_bound else LAUNCH_TIME_BAND if tags.get("size") == "small" else None
     rlk_metrics.record(f"{impl}_ms", result.median_ms, unit="ms", direction="lower_is_better", space="time",
-                       tags=all_tags, gate=gate_time, band=HOST_TIME_BAND if host_bound else None)
+                       tags=all_tags, gate=gate_time, band=band)
     rlk_metrics.record(f"{impl}_fraction_of_hbm_limit", fraction, direction="higher_is_better", space="ratio",
                        tags={**all_tags, "limit_ms": f"{limit_ms:.4f}"}, gate=gate_time and not host_bound)
     if memory:
