@@ -5,8 +5,9 @@
 Public call (``kernels.grpo_loss`` with ``VIME_RL_KERNEL=1``) at [64, 151936] bf16, vime's loss as
 the benchmarks run it: forward alone, backward alone (``torch.autograd.grad`` of a fresh forward's
 loss), forward+backward, on the C++ host path and with it off (the Python path), and beside them
-what they cannot go below in this process: a trivial ``torch.autograd.grad((x * 2).sum(), x)``,
-``torch.empty(64)``, the contract and dispatch alone, the C++ forward alone. The paths take turns
+yardsticks in this process: a trivial ``torch.autograd.grad((x * 2).sum(), x)`` (two recorded ops
+and a Python-side ``grad``: a one-node call can come in under it), ``torch.empty(64)``, the
+contract and dispatch alone, the C++ forward alone. The paths take turns
 block by block (the host's speed drifts); each figure is the lowest block median (us per call).
 Then the C++ module's own clock per phase (``phases``), and with ``--profile`` cProfile of the
 public fwd+bwd on the host path (the Python left in it).

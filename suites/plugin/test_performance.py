@@ -53,7 +53,8 @@ def synthetic_run(tag: str = "h100", run_id: str = "20261122T000000Z-perf") -> R
                           tier="op", artifact_root=None)
     tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": "bf16", "shape": "8192x151936"}
     grpo.record("hbm_limit_ms", 1.65, unit="ms", direction="two_sided", space="time", tags=tags, gate=False)
-    _bench(grpo, "rlk", 1.80, 1.65, {**tags, "host_path": "c++"}, 2.49e9)
+    _bench(grpo, "rlk", 1.80, 1.65, {**tags, "host_path": "c++",
+                                     "wall_timing": "lowest of 8 rounds' medians (host-bound call)"}, 2.49e9)
     grpo.record("rlk_graph_ms", 1.70, unit="ms", direction="lower_is_better", space="time",
                 tags={**tags, "impl": "rlk", "gpu": GPU})
     _bench(grpo, "rlk_inplace", 1.75, 1.65, tags, 0.0)
@@ -96,7 +97,8 @@ def test_collect_and_rows_follow_the_bench_convention():
     # the CUDA-graph time (GPU only) where recorded, "-" where not
     assert grpo["GPU ms"] == "1.7" and grpo["GPU of limit"] == "97.1%"
     assert by_impl[("grpo_loss", "rlk_inplace")]["GPU ms"] == "-"
-    # the path that served the default call, where its wall time recorded one (not a variant)
+    # the path that served the default call, where its wall time recorded one, and how the wall time
+    # was taken (neither a variant: the peers' rows join ours)
     assert grpo["host path"] == "c++" and grpo["variant"] == "-"
     assert by_impl[("grpo_loss", "rlk_inplace")]["host path"] == "-" and by_impl[("logp", "rlk")]["host path"] == "-"
 
