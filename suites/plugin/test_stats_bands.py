@@ -58,3 +58,21 @@ def test_default_band_per_kind(name, space, kind, rel, floor):
 def test_time_series_default_to_median_after_warmup():
     assert default_window("time") == Window(skip=1, agg="median")
     assert default_window("loss") == Window()
+
+
+@pytest.mark.parametrize(("new_ms", "verdict"), [
+    (0.005056, "pass"),  # ratio_kl's no-grad call at [1] on unchanged code (baseline 0.003936)
+    (0.0070, "regression"),  # past the 2 us floor
+    (0.0330, "pass"),  # logp's call at [64]: 15% of 0.030 is wider than the floor
+    (0.0350, "regression"),
+])
+def test_the_launch_time_band_holds_launch_spacing_and_fails_past_it(new_ms, verdict):
+    from pytest_rlk.compare import compare_value
+
+    ref = 0.030 if new_ms > 0.02 else 0.003936
+    result = compare_value("rlk_ms", ref, new_ms, direction="lower_is_better", band=DEFAULT_BANDS["launch_time"])
+    assert result.verdict == verdict, result.detail
+    # the default time band fails the first case: what made the gate fail on unchanged code
+    if new_ms == 0.005056:
+        assert compare_value("rlk_ms", ref, new_ms, direction="lower_is_better",
+                             band=DEFAULT_BANDS["time"]).verdict == "regression"
