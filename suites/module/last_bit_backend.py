@@ -9,8 +9,9 @@ batch is what this arm measures; the kernels arm is held to a multiple of it. Th
 up by one ulp at even tokens and down at odd ones (``torch.nextafter``); their gradient is the
 reference's. Select it with ``VIME_RL_KERNEL_BACKEND=suites.module.last_bit_backend:make_backend``
 (the registry resolves the dotted path). ``WRONG_DOTTED_PATH`` selects the same backend with every
-log-prob ``WRONG_BY`` too high instead: a kernel that is wrong, which the training step must reject.
-Nothing in the product knows about them.
+log-prob ``WRONG_BY`` too high instead, ``WRONG_AT_EVEN_DOTTED_PATH`` with those at even positions
+``WRONG_BY`` too high: kernels that are wrong, which the training step must reject. Nothing in the
+product knows about them.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ from kernels.backends.base import BaseBackend
 
 DOTTED_PATH = "suites.module.last_bit_backend:make_backend"
 WRONG_DOTTED_PATH = "suites.module.last_bit_backend:make_wrong_backend"
+WRONG_AT_EVEN_DOTTED_PATH = "suites.module.last_bit_backend:make_wrong_at_even_backend"
 BACKEND_ID = "rlk-test-reference-last-bit"
 WRONG_BY = 1e-3  # log-prob units
+
+
+def _even_positions(t: torch.Tensor) -> torch.Tensor:
+    return torch.arange(t.numel(), device=t.device).remainder(2).eq(0).view_as(t)
 
 
 def one_ulp_apart(logp: torch.Tensor) -> torch.Tensor:
     """``logp`` with each value moved to its fp32 neighbour (up at even positions, down at odd
     ones); the gradient flows as through ``logp``."""
     base = logp.detach()
-    even = torch.arange(base.numel(), device=base.device).remainder(2).eq(0).view_as(base)
-    toward = torch.where(even, torch.full_like(base, math.inf), torch.full_like(base, -math.inf))
+    toward = torch.where(_even_positions(base), torch.full_like(base, math.inf), torch.full_like(base, -math.inf))
     return logp + (torch.nextafter(base, toward) - base)
 
 
@@ -66,3 +71,7 @@ def make_backend() -> LastBitBackend:
 
 def make_wrong_backend() -> LastBitBackend:
     return LastBitBackend(lambda logp: logp + WRONG_BY, f"wrong-by-{WRONG_BY:g}")
+
+
+def make_wrong_at_even_backend() -> LastBitBackend:
+    return LastBitBackend(lambda logp: logp + WRONG_BY * _even_positions(logp), f"wrong-by-{WRONG_BY:g}-at-even")
