@@ -110,7 +110,8 @@ def measure(
     call's host time, as its benchmark states). Its wall time is the lowest of several
     rounds' medians (``timing.bench_lowest_of_rounds``: the host's speed comes in regimes) and
     gates within the host-time band (``pytest_rlk/bands.py``); its fraction of the HBM limit, a
-    host-bound figure, is recorded and not gated."""
+    host-bound figure, is recorded and not gated. Any other call tagged ``size=small`` gates its wall
+    time (a few microseconds of device time) in the launch-time band: the time band with a 2 us floor."""
     if gate is None:
         gate = impl == OURS
     gate_time = gate if gate_time is None else gate and gate_time
