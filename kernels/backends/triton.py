@@ -75,6 +75,23 @@ class TritonBackend(BaseBackend):
 
     def __init__(self) -> None:
         self._supported: dict[tuple, str | None] = {}
+        self._own_routes: dict[str, bool] = {}
+
+    def serves_own_routes(self, op: str) -> bool:
+        """Whether this backend computes ``op`` exactly as ``rlk-triton`` does, so the routes that
+        bypass ``get`` (the op's C++ host-first entry, the operators' splits in kernels/library/)
+        compute what ``get(op)`` computes. A subclass that overrides ``get`` for ``op`` (or
+        ``supports``/``check_case``, which those routes do not consult) declines them: its
+        override serves every call, on every path (one route per op per backend)."""
+        found = self._own_routes.get(op)
+        if found is None:
+            cls = type(self)
+            rules_own = all(getattr(cls, name) is getattr(TritonBackend, name)
+                            for name in ("supports", "check_case", "host_first"))
+            # an overridden ``get`` keeps the routes only for the ops it hands back unchanged
+            found = rules_own and (cls.get is TritonBackend.get or self.get(op) is TritonBackend.get(self, op))
+            self._own_routes[op] = found
+        return found
 
     def supports(self, op: str, **case: Any) -> str | None:
         """BaseBackend's rules, memoized: for this backend the answer depends only on the op, the
@@ -106,8 +123,12 @@ class TritonBackend(BaseBackend):
         """The op module's ``host_first`` (its C++ host path on the public arguments: logp's, ratio_kl's),
         once the module is loaded: the first call through ``get`` loads it, and the host path holds
         no kernel before that call has run anyway. Never imports (which would fix Triton's
-        interpreter state for the process)."""
-        return getattr(sys.modules.get(_OP_MODULES.get(op, "")), "host_first", None)
+        interpreter state for the process). None for a backend whose ``op`` is not ours
+        (:meth:`serves_own_routes`)."""
+        entry = getattr(sys.modules.get(_OP_MODULES.get(op, "")), "host_first", None)
+        if entry is None or not self.serves_own_routes(op):
+            return None
+        return entry
 
     def get(self, op: str) -> Callable[..., Any]:
         if op not in self.capabilities.ops:

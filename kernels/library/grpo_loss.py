@@ -122,8 +122,8 @@ def grpo_loss_forward(
     call = _call(logits, target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp,
                  config, temperature, ignore_index, group_name)
     check_values("grpo_loss", call, target_ids, *logits.shape)
-    backend, impl = serving("grpo_loss", call)
-    split = SPLITS.get(backend)
+    split_id, impl = serving("grpo_loss", call)
+    split = SPLITS.get(split_id)
     found = None if split is None else split[0](call, stats)
     if found is not None:
         return found
@@ -158,8 +158,8 @@ def grpo_loss_backward(
     rest = (target_ids, old_logp, ref_logp, advantages, loss_mask, lengths, cu_seqlens, rollout_logp, config,
             temperature, ignore_index, group_name)
     call = _call(logits, *rest)
-    backend, impl = serving("grpo_loss", call)
-    split = SPLITS.get(backend)
+    split_id, impl = serving("grpo_loss", call)
+    split = SPLITS.get(split_id)
     if split is not None and residual.shape[1] == logits.shape[0]:
         found = split[1](call, grad_loss, residual)
         if found is not None:

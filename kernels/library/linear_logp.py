@@ -142,8 +142,8 @@ def linear_logp_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise RuntimeError(
             f"rlk::linear_logp: called with the residual layout {list(layout)}, the switches and settings now "
             f"give {now} (kernels.library.linear_logp.residual_layout): a graph compiled under other settings")
-    backend, impl = serving("linear_logp", call)
-    if split is not None and SPLITS.get(backend) is split:
+    split_id, impl = serving("linear_logp", call)
+    if split is not None and SPLITS.get(split_id) is split:
         return split.forward(call, needs)
     # another backend serves: a fallback from the configured one (its layout: residuals of that shape, unused)
     return impl(call), *_empty_residuals(hidden, layout)
@@ -167,8 +167,8 @@ def linear_logp_backward(grad: torch.Tensor, hidden: torch.Tensor, weight: torch
                          needs_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rest = (target_ids, temperature, group_name, vocab_start, global_vocab, workspace_bytes)
     call = _call(hidden, weight, bias, *rest)
-    backend, impl = serving("linear_logp", call)
-    split = SPLITS.get(backend)
+    split_id, impl = serving("linear_logp", call)
+    split = SPLITS.get(split_id)
     needs = [needs_hidden, needs_weight, needs_bias and bias is not None]
     if split is not None and stats.shape[0] >= 2:  # the split's forward ran: its residuals
         d_hidden, d_weight, d_bias = split.backward(call, grad, stats, kept, (needs_hidden, needs_weight, needs_bias))

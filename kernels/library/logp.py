@@ -61,8 +61,8 @@ def logp_forward(logits: torch.Tensor, target_ids: torch.Tensor, temperature: fl
                  group_name: str | None, stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
     call = _call(logits, target_ids, temperature, ignore_index, group_name)
     check_values("logp", call, target_ids, *logits.shape)
-    backend, impl = serving("logp", call)
-    split = SPLITS.get(backend)
+    split_id, impl = serving("logp", call)
+    split = SPLITS.get(split_id)
     if stats and split is not None:
         return split[0](call)
     residual = torch.zeros((2, logits.shape[0] if stats else 0), dtype=torch.float32, device=logits.device)
@@ -80,8 +80,8 @@ def _(logits, target_ids, temperature, ignore_index, group_name, stats):
 def logp_backward(grad: torch.Tensor, logits: torch.Tensor, target_ids: torch.Tensor, residual: torch.Tensor,
                   temperature: float, ignore_index: int, group_name: str | None) -> torch.Tensor:
     call = _call(logits, target_ids, temperature, ignore_index, group_name)
-    backend, impl = serving("logp", call)
-    split = SPLITS.get(backend)
+    split_id, impl = serving("logp", call)
+    split = SPLITS.get(split_id)
     if split is not None and residual.shape[1] == logits.shape[0]:
         return split[1](call, grad, residual)
 

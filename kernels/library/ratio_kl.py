@@ -53,8 +53,8 @@ def ratio_kl_backward(grad_ratio: torch.Tensor, grad_kl: torch.Tensor, logp: tor
                       ref_logp: torch.Tensor, mask: torch.Tensor, kl_type: str,
                       use_unbiased_kl: bool) -> torch.Tensor:
     call = _call(logp, old_logp, ref_logp, mask, kl_type, use_unbiased_kl)
-    backend, impl = serving("ratio_kl", call)
-    split = BACKWARD_SPLITS.get(backend)
+    split_id, impl = serving("ratio_kl", call)
+    split = BACKWARD_SPLITS.get(split_id)
     if split is not None:
         return split(call, grad_ratio, grad_kl)
 

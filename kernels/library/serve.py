@@ -38,8 +38,11 @@ from kernels.library.torch_internals import autograd_inside, process_group
 C = TypeVar("C")
 
 
-def serving(op: str, call: Any) -> tuple[str, Callable[[Any], Any]]:
-    """(backend id, implementation) that serves ``op``'s checked ``call`` now (as ``dispatch.run``)."""
+def serving(op: str, call: Any) -> tuple[str | None, Callable[[Any], Any]]:
+    """(split key, implementation) that serves ``op``'s checked ``call`` now (as ``dispatch.run``).
+
+    The split key is the backend's id where the backend's own split computes what its
+    ``get(op)`` computes (:func:`split_key`), else None: the generic split then runs ``impl``."""
     if not dispatch.kernels_enabled():  # the default: the reference, without building the case
         backend = backends.get_backend(dispatch.REFERENCE_BACKEND)
         impl = backend.get(op)
@@ -47,7 +50,17 @@ def serving(op: str, call: Any) -> tuple[str, Callable[[Any], Any]]:
         backend, impl = dispatch.select(op, **call.case())
     if op not in getattr(backend, "checks_values", ()):
         checks.check_call_values(call)
-    return backend.id, impl
+    return split_key(backend, op), impl
+
+
+def split_key(backend: Any, op: str) -> str | None:
+    """The key of ``backend``'s split of ``op`` in kernels/library/<op>.py's ``SPLITS``: its id
+    where ``backend`` vouches that its routes compute what ``get(op)`` does
+    (``serves_own_routes(op)``, kernels/backends/triton.py), else None. A backend that shares an id
+    with ours but not its code (a subclass overriding ``get``, a third party reusing the name)
+    never gets our split."""
+    own = getattr(backend, "serves_own_routes", None)
+    return backend.id if own is not None and own(op) else None
 
 
 def check_values(op: str, call: Any, ids: torch.Tensor, num_tokens: int, vocab: int) -> None:
