@@ -12,6 +12,23 @@ from pytest_rlk.schema import RunRecord
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def host_gpu_count() -> int:
+    """The GPUs torch sees on this host (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# RLK_FAKE_GPUS gives the sharding fake device ids on a machine without GPUs and is refused where
+# GPUs exist (pytest_rlk/sharding.py); its refusal there is tested on every host.
+needs_gpuless_host = pytest.mark.skipif(
+    host_gpu_count() > 0,
+    reason="the RLK_FAKE_GPUS seam is for machines without GPUs and this host has one; the real "
+           "sharding runs here with -n auto --rlk-shard-gpus")
+
+
 def checkout_pythonpath(existing: str | None) -> str:
     """The checkout first, then whatever PYTHONPATH held: on the GPU machines pydantic & co live
     in /tmp/site through PYTHONPATH, so replacing it breaks every subprocess there."""

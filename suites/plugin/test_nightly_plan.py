@@ -148,7 +148,7 @@ def test_node_job_timeout_stops_pytest_and_keeps_the_partial_run(pytester, monke
     monkeypatch.setenv("TINY_SLEEP", "60")
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if caller_sigint == "ignored" else None
     try:
-        messages, dest = _job_messages(pytester, monkeypatch, timeout_s=4.0, sync_interval_s=0.5, stop_grace_s=10.0)
+        messages, dest = _job_messages(pytester, monkeypatch, timeout_s=10.0, sync_interval_s=0.5, stop_grace_s=10.0)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from nightly_testing import metric, result
-from rlk_plugin_testing import REPO_ROOT, checkout_pythonpath, latest_run_dir
+from rlk_plugin_testing import REPO_ROOT, checkout_pythonpath, latest_run_dir, needs_gpuless_host
 
 from pytest_rlk import cli, sharding, storage
 from pytest_rlk.same_results import compare_runs
@@ -217,6 +217,7 @@ def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, m
     assert "suites/op/test_sharded.py::test_tp2: tp2_err: only in A" in out
 
 
+@needs_gpuless_host
 def test_fake_gpu_ids_on_the_cpu_platform(rlk_pytester, monkeypatch):
     """RLK_FAKE_GPUS: the CPU platform (gpus(n) tests skip as on any CPU machine), workers pinned to
     fake ids 0 and 1."""
@@ -231,6 +232,7 @@ def test_fake_gpu_ids_on_the_cpu_platform(rlk_pytester, monkeypatch):
     assert {u["worker"]: u["gpus"] for u in _usage(log)} == {"gw0": "0", "gw1": "1"}
 
 
+@needs_gpuless_host
 @pytest.mark.parametrize("args, env, message", [
     (["--rlk-shard-gpus"], {"RLK_FAKE_GPUS": "2"}, "one pytest-xdist worker per GPU: add -n auto"),
     (["-n", "3", "--rlk-shard-gpus"], {"RLK_FAKE_GPUS": "2"}, "-n 3 workers for 2 GPUs"),
@@ -259,6 +261,7 @@ def _op_run(artifacts: Path, *args: str, env: dict[str, str]) -> RunRecord:
     return storage.load_run(storage.resolve_run_file("latest", artifacts))
 
 
+@needs_gpuless_host
 def test_sharded_op_tier_gives_the_serial_results(tmp_path):
     """The real op suite of one operator, serial and over two (fake) GPUs: the same tests, the
     same outcomes, the same parity errors."""
