@@ -101,26 +101,30 @@ def _group_enabled(policy: m.MetricPolicy, gates: GateSelection) -> bool:
     return policy.group == "correctness"
 
 
-def _record(policy: m.MetricPolicy, name: str, value: float | list[float], window: Window | None) -> MetricRecord:
+def _record(policy: m.MetricPolicy, name: str, value: float | list[float], window: Window | None,
+            band: Band | None = None) -> MetricRecord:
     return MetricRecord(
         name=name, value=value, unit=policy.unit, direction=policy.direction, space=policy.space,
-        band=policy.band, window=window, allow_nonfinite=True,
+        band=band or policy.band, window=window, allow_nonfinite=True,
     )
 
 
 def lane_records(series: Mapping[str, list[float]], *, lane: Lane, skip_warmup: int,
-                 gates: GateSelection) -> dict[str, MetricRecord]:
-    """The records of one arm that are compared in `lane` (with their bands and windows)."""
+                 gates: GateSelection, bands: Mapping[str, Band] | None = None) -> dict[str, MetricRecord]:
+    """The records of one arm that are compared in `lane` (with their bands and windows).
+    `bands`: the case's overrides, "<lane>.<metric>" -> band (the spec's `bands`)."""
     out: dict[str, MetricRecord] = {}
+    bands = bands or {}
     for name, values in series.items():
         policy = m.E2E_METRICS.get(name)
         if policy is None or name in m.NEVER_COMPARED or not policy.gated or not _group_enabled(policy, gates):
             continue
+        band = bands.get(f"{lane}.{name}")
         if lane == "live" and policy.live:
-            out[name] = _record(policy, name, list(values), Window(skip=skip_warmup, agg=policy.agg))
+            out[name] = _record(policy, name, list(values), Window(skip=skip_warmup, agg=policy.agg), band)
         elif lane == "replay" and policy.replay_per_step:
             for step, value in enumerate(values):
-                out[f"{name}[{step}]"] = _record(policy, f"{name}[{step}]", value, None)
+                out[f"{name}[{step}]"] = _record(policy, f"{name}[{step}]", value, None, band)
     return out
 
 
@@ -168,6 +172,7 @@ def gate_lane(
     kernel_fallback_events: int = 0,
     baseline_scalars: Mapping[str, float] | None = None,
     kernels_scalars: Mapping[str, float] | None = None,
+    bands: Mapping[str, Band] | None = None,
 ) -> LaneVerdict:
     """Gate one lane.
 
@@ -176,8 +181,8 @@ def gate_lane(
     """
     n_base = _check_series(baseline_label, baseline)
     n_kern = _check_series(kernels_label, kernels)
-    a = lane_records(baseline, lane=lane, skip_warmup=skip_warmup, gates=gates)
-    b = lane_records(kernels, lane=lane, skip_warmup=skip_warmup, gates=gates)
+    a = lane_records(baseline, lane=lane, skip_warmup=skip_warmup, gates=gates, bands=bands)
+    b = lane_records(kernels, lane=lane, skip_warmup=skip_warmup, gates=gates, bands=bands)
     a.update(scalar_records(baseline_scalars or {}, lane=lane, gates=gates))
     b.update(scalar_records(kernels_scalars or {}, lane=lane, gates=gates))
     rollouts = MetricRecord(name=ROLLOUTS_COMPLETED, value=0.0, direction="two_sided", space="count",

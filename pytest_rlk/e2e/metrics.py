@@ -48,6 +48,7 @@ FALLBACK_COUNT = "fallback_count"
 # Recorded by the TRL engine (reported with their units, never gated).
 PEAK_RSS = "peak_rss_mib"  # CPU arms: the process's peak resident set (no VRAM to measure)
 LOSS_TIME = "loss_time_s"
+LOSS_FWD_BWD_TIME = "loss_fwd_bwd_time_s"  # the training forward, the loss and the backward of one step
 OPTIMIZER_TIME = "optimizer_time_s"
 ENTROPY = "entropy"
 
@@ -127,7 +128,7 @@ E2E_METRICS: dict[str, MetricPolicy] = {
         _policy(ROLLOUT_KL, "", "lower_is_better", "logprob", "correctness", "mean",
                 DEFAULT_BANDS["logprob_diff"], live=True),
         _policy(KL_LOSS, "", "lower_is_better", "logprob", "correctness", "mean", DEFAULT_BANDS["logprob_diff"],
-                live=True),
+                live=True, replay=True),
         _policy(LOSS, "", "two_sided", "loss", "correctness", "mean", REPLAY_LOSS_BAND, replay=True),
         _policy(PG_LOSS, "", "two_sided", "loss", "correctness", "mean", REPLAY_LOSS_BAND, replay=True),
         _policy(GRAD_NORM, "", "two_sided", "none", "correctness", "mean", GRAD_NORM_BAND, replay=True),
@@ -145,6 +146,7 @@ E2E_METRICS: dict[str, MetricPolicy] = {
         _policy(TRAIN_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(UPDATE_WEIGHTS_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(LOSS_TIME, "s", "lower_is_better", "time", "report", "median", None),
+        _policy(LOSS_FWD_BWD_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(OPTIMIZER_TIME, "s", "lower_is_better", "time", "report", "median", None),
         _policy(PEAK_RSS, "MiB", "lower_is_better", "memory", "report", "max", None),
         _policy(TRAIN_TOKENS_PER_S, "tok/s", "higher_is_better", "throughput", "report", "median", None),

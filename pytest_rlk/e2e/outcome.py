@@ -146,7 +146,7 @@ def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels"
         skip_warmup=spec.window.skip_warmup_rollouts, gates=spec.gates,
         baseline_label=base.label, kernels_label=kern.label,
         kernel_fallback_events=kern.reading.fallback_events,
-        baseline_scalars=_peak(base.result), kernels_scalars=_peak(kern.result),
+        baseline_scalars=_peak(base.result), kernels_scalars=_peak(kern.result), bands=spec.bands,
     )
     for outcome in (base, kern):
         for problem in outcome.problems:

@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pytest_rlk.schema import Band
+
 SPEC_SCHEMA_VERSION = 1
 SPECS_DIR = Path(__file__).with_name("specs")
 
@@ -202,6 +204,10 @@ class ABSpec(_Frozen):
     window: WindowSpec
     timeouts: Timeouts
     gates: GateSelection = GateSelection()
+    bands: dict[str, Band] = Field(
+        default_factory=dict,
+        description='Band overrides of this case, "<lane>.<metric>" -> band (e.g. "replay.loss"), each with its '
+        "source: measured noise of the case (A/A reruns on its platform) in place of the metric's default band.")
     settings: SerializeAsAny[EngineSettings] = Field(description="The engine's section, validated by its own model.")
 
     @model_validator(mode="wrap")
@@ -252,10 +258,23 @@ class ABSpec(_Frozen):
             data[self.engine] = settings
         return data
 
+    def band_for(self, lane: Lane, metric: str) -> Band | None:
+        """The spec's band for ``metric`` in ``lane``, or None (the metric's default applies)."""
+        return self.bands.get(f"{lane}.{metric}")
+
     @model_validator(mode="after")
     def _consistent(self) -> ABSpec:
         if len(set(self.lanes)) != len(self.lanes):
             raise ValueError(f"lanes: duplicates in {self.lanes}")
+        from pytest_rlk.e2e.metrics import E2E_METRICS
+
+        for key, band in self.bands.items():
+            lane, _, metric = key.partition(".")
+            if lane not in self.lanes or metric not in E2E_METRICS:
+                raise ValueError(f"bands: {key!r} is not '<lane>.<metric>' with a lane of {self.lanes} and a metric "
+                                 f"of pytest_rlk.e2e.metrics")
+            if not band.source:
+                raise ValueError(f"bands: {key!r} needs its source (the measurement it comes from)")
         if self.window.skip_warmup_rollouts >= self.hyperparameters.num_rollout:
             raise ValueError(
                 f"window.skip_warmup_rollouts = {self.window.skip_warmup_rollouts} leaves no "

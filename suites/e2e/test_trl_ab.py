@@ -28,6 +28,7 @@ from pytest_rlk.extras import require_extra
 require_extra("trl")
 require_extra("datasets")  # TRL's GRPOTrainer reads its prompts from a datasets.Dataset
 
+import fault_backends  # noqa: E402
 import perturbed_logp_backend as perturbed_backend  # noqa: E402
 import torch  # noqa: E402
 
@@ -41,7 +42,8 @@ from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, SpecError, load_spec  # noqa:
 
 DENSE_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-cpu.json"
 MOE_CPU = SPECS_DIR / "trl-qwen3-tiny-moe-cpu.json"
-SMALL_H100 = SPECS_DIR / "trl-qwen3-small-h100.json"
+SMALL_GPU = SPECS_DIR / "trl-qwen3-small-gpu.json"
+REPLAY_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-replay-cpu.json"
 DENSE_VLLM_CPU = SPECS_DIR / "trl-qwen3-tiny-dense-vllm-cpu.json"
 PERTURB_ROLLOUTS = 5  # the perturbed arm only has to show the gate fails (window: steps 2..4)
 PERTURBED = "kernels_perturbed"
@@ -294,15 +296,96 @@ def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metric
     assert "only TRL's per-token log-probs" in report and "| peak_rss_mib | MiB | max |" in report
 
 
+# ------------------------------------------------------------------------------------------
+# The replay lane on CPU: both arms train on the same recorded rollouts; a gradient fault fails it.
+# ------------------------------------------------------------------------------------------
+
+GRAD_FAULT = "kernels_grad_fault"
+GRAD_FAULT_SCALE = 0.5  # the log-prob's gradient x 0.5 on every other token
+
+
+def _fault_variant(spec: ABSpec, factory: str, size: float) -> ABSpec:
+    raw = spec.model_dump(mode="json")
+    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} (test-only fault {factory} {size:g})",
+                              "env": {"VIME_RL_KERNEL_BACKEND": fault_backends.dotted_path(factory),
+                                      fault_backends.SIZE_ENV: repr(size)}}
+    return ABSpec.model_validate(raw)
+
+
+@pytest.fixture(scope="module")
+def replay_cpu_ab(tmp_path_factory, rlk_progress, cpu_kernels_reason) -> ABRun:
+    if cpu_kernels_reason:
+        pytest.skip(f"the CPU lane's kernels arm cannot run here: {cpu_kernels_reason}")
+    out = tmp_path_factory.mktemp("trl_ab_replay_cpu")
+    spec = load_spec(REPLAY_CPU)
+    fault = ExtraArm(GRAD_FAULT, _fault_variant(spec, "grad_scale", GRAD_FAULT_SCALE), lane="replay")
+    with rlk_progress.step(f"TRL GRPO replay lane {REPLAY_CPU.stem}: baseline records, the kernel arm and a "
+                           "gradient-fault arm replay (one after the other)"):
+        return run_ab(spec, out, extra_arms=[fault], progress=_EveryFourthRollout(_ToTerminal(rlk_progress)))
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_cpu_replay_lane_passes_with_the_kernel_loss(replay_cpu_ab, rlk_metrics):
+    run = replay_cpu_ab
+    assert run.passed, run.verdict.summary() if run.verdict else run.failures
+    info = run.arm("kernels", "replay").info
+    assert info["kernel_ops"] == ["logp", "ratio_kl"] and info["kernel_loss"]
+    assert info["fallback_counts"] == {}
+    assert info["rollout"]["replayed_from"].endswith("replay/baseline/rollouts.jsonl")
+    base = run.arm("baseline", "replay")
+    assert base.info["initial_weights_digest"] == info["initial_weights_digest"]
+    assert base.info["warm_start"]["steps"] == 30
+    # same samples: the rewards are the recorded ones, step by step
+    assert run.arm("kernels", "replay").series[m.RAW_REWARD] == base.series[m.RAW_REWARD]
+    verdict = gate_arms(run, "replay")
+    gated = {c.name.split("[")[0] for c in verdict.gate.comparisons}
+    assert {m.LOSS, m.GRAD_NORM, m.KL_LOSS} <= gated
+
+
+@pytest.mark.cpu
+@pytest.mark.tiny
+def test_trl_cpu_replay_lane_catches_a_gradient_fault(replay_cpu_ab):
+    """dlogp x 0.5 on every other token: the forward is exact, so the rewards and the step-0 loss
+    agree; the update differs, which the step-by-step gradient norm and the later losses catch."""
+    verdict = gate_arms(replay_cpu_ab, "replay", kernels_key=GRAD_FAULT)
+    assert not verdict.passed
+    failed = {f.split("[")[0] for f in verdict.failures()}
+    assert m.GRAD_NORM in failed, verdict.failures()
+    assert not any(f.startswith(f"{m.LOSS}[0]") for f in verdict.failures())  # the forward is not the fault
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU A/B (one H100 or H200): the policy learns, both lanes pass, the kernels ran.
+# ------------------------------------------------------------------------------------------
+
+REWARD_RISE_MIN = 0.1  # last-5 over first-3 rollouts' mean raw_reward of the baseline arm (docs/e2e-trl.md)
+
+
+def reward_rise(series: list[float]) -> float:
+    return sum(series[-5:]) / 5 - sum(series[:3]) / 3
+
+
 @pytest.mark.h100
-def test_trl_h100_ab_records_baseline(tmp_path, rlk_metrics):
-    run = run_ab(load_spec(SMALL_H100), tmp_path)
-    verdict = gate_arms(run)
+@pytest.mark.h200
+def test_trl_gpu_ab_learns_and_passes_both_lanes(tmp_path, rlk_metrics, rlk_progress):
+    spec = load_spec(SMALL_GPU)
+    with rlk_progress.step(f"TRL GRPO A/B {SMALL_GPU.stem}: replay and live lanes, 4 arms one after the other"):
+        run = run_ab(spec, tmp_path, progress=_EveryFourthRollout(_ToTerminal(rlk_progress)))
     _record_arm_metrics(rlk_metrics, run, gate_speed=True)
     paths = write_run_report(run, rlk_metrics.artifact_dir / "report")
     assert paths.markdown.exists()
-    assert verdict.passed, verdict.failures()
-    _assert_real_kernel_arm(run)
+    assert run.verdict is not None and f" on {run.platform}:" in run.verdict.summary()
+    assert run.platform != "gpu"  # the machine's class, never the spec's
+    assert run.passed, run.verdict.summary()
+    for lane in ("replay", "live"):
+        info = run.arm("kernels", lane).info
+        assert info["kernel_ops"] == ["linear_logp", "ratio_kl"] and info["kernel_loss"], info["kernel_ops"]
+        assert info["fallback_counts"] == {} and info["env"].get("VIME_RL_KERNEL_STRICT") == "1"
+    rewards = run.arm("baseline", "live").series[m.RAW_REWARD]
+    rlk_metrics.record("baseline.raw_reward_rise", reward_rise(rewards), direction="higher_is_better",
+                       space="reward", gate=False)
+    assert reward_rise(rewards) > REWARD_RISE_MIN, rewards
     assert m.PEAK_VRAM in run.arm("kernels").series
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pytest_rlk.e2e.arms import ArmCommand
 from pytest_rlk.e2e.engine import ArmLayout, ArmReading, ReportExtras, RunContext, StepProgress
+from pytest_rlk.e2e.engines.trl.rollout import ROLLOUTS_FILE
 from pytest_rlk.e2e.engines.trl.series import progress_from_line, read_run_info, read_series
 from pytest_rlk.e2e.engines.trl.settings import TINY_PREFIX, TrlSettings
 from pytest_rlk.e2e.launcher import ArmResult, LaunchConfig
@@ -33,6 +34,14 @@ SUITE_ROOT = str(Path(__file__).resolve().parents[4])
 @dataclass(frozen=True)
 class TrlContext(RunContext):
     repo_root: str = SUITE_ROOT
+
+
+def machine_platform(spec: ABSpec) -> str:
+    """The platform this machine is (the run manifest's tag: h100, h200, cpu...), which every
+    verdict, report and baseline path names; the spec's markers say which classes it runs on."""
+    from pytest_rlk.platform import detect
+
+    return detect().tag if _settings(spec).device == "cuda" else "cpu"
 
 
 def _settings(spec: ABSpec) -> TrlSettings:
@@ -68,15 +77,21 @@ class TrlEngine:
         # A vLLM arm holds an engine and its KV cache (~1.7 GB on CPU): arms run one after the other.
         concurrent = settings.device == "cpu" and settings.rollout == "hf"
         return TrlContext(run_dir=run_dir, launch=LaunchConfig(mode="local"), label="trl",
-                          concurrent_arms=concurrent, plan_notes=notes)
+                          concurrent_arms=concurrent, plan_notes=notes, platform=machine_platform(spec) if for_run else None)
 
     def arm_commands(self, spec: ABSpec, lane: Lane, ctx: TrlContext, layout: ArmLayout) -> tuple[ArmCommand, ArmCommand]:
         settings = _settings(spec)
         commands = []
+        # the replay lane's baseline arm records what every other arm of that lane replays
+        recorded = f"{ctx.run_dir}/replay/baseline/{ROLLOUTS_FILE}"
         for role in ("baseline", "kernels"):
             env = {**settings.env, **(spec.kernel_switch.env if role == "kernels" else {}), "PYTHONPATH": pythonpath_first(ctx.repo_root)}
             lane_args = ["--arm", role, "--out", layout.dirs[role]]
-            argv = [sys.executable, "-m", CHILD_MODULE, "--spec", layout.spec_file, *lane_args]
+            if lane == "replay":
+                lane_args += ["--record-rollouts", recorded] if layout.dirs[role] == f"{ctx.run_dir}/replay/baseline" \
+                    else ["--replay-rollouts", recorded]
+            argv = [sys.executable, "-m", CHILD_MODULE, "--spec", layout.spec_file, "--model-dir",
+                    f"{ctx.run_dir}/model", *lane_args]
             if role == "kernels":
                 argv += list(spec.kernel_switch.args)
             commands.append(ArmCommand(role, spec.arm_label(role), lane, argv, env, lane_args, workdir=ctx.repo_root,

@@ -34,11 +34,21 @@ class TrlSettings(EngineSettings):
     )
     vllm_gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1, description="vLLM's share of the GPU (rollout 'vllm').")
     vllm_max_model_length: int = Field(default=64, ge=8, description="vLLM's context length (prompt + response; rollout 'vllm').")
+    warm_start_steps: int = Field(
+        default=0, ge=0, description="Supervised warm-start steps on the task before GRPO, the same in both arms "
+        "(warm_start.py: real RL starts from an SFT model; 0: GRPO from the random init).")
+    warm_start_correct_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="Share of warm-start completion words that are the prompt's target.")
+    warm_start_distractor_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="Share of warm-start completion words that are distractors (never "
+        "rewarded; the rest are drawn uniformly from the target words): the habit GRPO has to unlearn.")
+    warm_start_lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate of the warm start.")
 
     def check_spec(self, spec: ABSpec) -> None:
         hp, par = spec.hyperparameters, spec.parallelism
-        if spec.lanes != ["live"]:
-            raise ValueError(f"lanes must be ['live'] for engine 'trl' (it has no replay lane), got {spec.lanes}")
+        if "replay" in spec.lanes and self.rollout != "hf":
+            raise ValueError(f"lanes: the replay lane records and replays the transformers sampler's rollouts "
+                             f"(trl.rollout 'hf'), not trl.rollout {self.rollout!r}")
         if spec.dataset.prompt_data != SYNTHETIC_TASK:
             raise ValueError(f"dataset.prompt_data must be {SYNTHETIC_TASK!r} (the only TRL-lane task)")
         if hp.global_batch_size != hp.rollout_batch_size * hp.n_samples_per_prompt:
