@@ -438,7 +438,7 @@ def test_triton_kernels_compile_for_sm_90a():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = pythonpath_first(root, environ=env)
-    proc = subprocess.run([sys.executable, str(root / "suites/op/probe_linear_logp.py"), "--compile-check"],
+    proc = subprocess.run([sys.executable, str(root / "tools/probes/probe_linear_logp.py"), "--compile-check"],
                           check=False, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     compiled = [line for line in proc.stdout.splitlines() if line.startswith(("ok ", "FAILED "))]
     assert proc.returncode == 0, proc.stdout + proc.stderr

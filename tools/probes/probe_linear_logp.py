@@ -1,7 +1,7 @@
 """linear_logp probes on a GPU (not a test; docs/linear_logp.md's phase, budget and host-sync figures).
 
-    python3 suites/op/probe_linear_logp.py OUT_DIR [--sections phases,budgets,sync]
-    python3 suites/op/probe_linear_logp.py --compile-check      # no GPU: Triton's compiler for sm_90a
+    python3 tools/probes/probe_linear_logp.py OUT_DIR [--sections phases,budgets,sync]
+    python3 tools/probes/probe_linear_logp.py --compile-check      # no GPU: Triton's compiler for sm_90a
 
 Shape: bf16 hidden [4096, 4096] x W [151936, 4096] (the benchmark's random case). Every section
 times its variants in interleaved rounds (``pytest_rlk.timing.bench``, CUDA events, L2 flushed)
