@@ -229,47 +229,47 @@ GRPO_ONE_READ = _declare(Setting(
     "Let grpo_loss use the one-read CUDA cluster kernel where it applies; off: the two-read Triton path.",
     readers=("kernels/ops/cuda/grpo_loss_one_read.py",)))
 
-# -- linear_logp tuning (kernels/ops/linear_logp.py; GPU only) -------------------------------------
+# -- linear_logp tuning (kernels/ops/linear_logp/; GPU only) ---------------------------------------
 LINEAR_LOGP_TILES = _declare(Setting(
     "RLK_LINEAR_LOGP_TILES", parse_tiles, None,
     "Tiles of the logits-tile kernels, `BLOCK_T,BLOCK_V,BLOCK_K,num_warps,num_stages`; unset: the "
     "built-in configs.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/plan.py",)))
 LINEAR_LOGP_MATMUL_TILES = _declare(Setting(
     "RLK_LINEAR_LOGP_MATMUL_TILES", parse_tiles, None,
     "Tiles of the backward's Triton matmul (with `RLK_LINEAR_LOGP_BWD_MATMUL=triton`), same format.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/plan.py",)))
 LINEAR_LOGP_BWD_MATMUL = _declare(Setting(
     "RLK_LINEAR_LOGP_BWD_MATMUL", choice("torch", "triton"), "torch",
     "The backward's dH/dW matmuls: `torch` (cuBLAS, fp32 output) or `triton` (ours).",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/plan.py",)))
 LINEAR_LOGP_TMA = _declare(Setting(
     "RLK_LINEAR_LOGP_TMA", parse_flag, True,
     "Use the persistent TMA kernel for bf16/fp16 on Hopper or newer; off: the pointer kernels.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/launch.py",)))
 LINEAR_LOGP_SAVE_LOGITS = _declare(Setting(
     "RLK_LINEAR_LOGP_SAVE_LOGITS", parse_flag, True,
     "The forward keeps as many logits (as exponentials) as the workspace budget holds, so the backward "
     "recomputes only the rest; off: it keeps none and the backward recomputes them all.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/plan.py",)))
 LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD = _declare(Setting(
     "RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD", parse_flag, True,
     "Where the workspace budget cannot hold the logits, the weight needs a gradient and T <= H, the "
     "forward allocates the weight gradient and keeps every logit (as exponentials) in it: "
     "forward+backward in three matrix products within the budget, the [V, H] gradient held from the "
     "forward on; off: only what the budget holds is kept.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/plan.py",)))
 LINEAR_LOGP_WORKSPACE_BYTES = _declare(Setting(
     "RLK_LINEAR_LOGP_WORKSPACE_BYTES", parse_positive_int, None,
     "The memory linear_logp may hold beyond its inputs, output and gradients, in bytes, where a call "
     "passes no `workspace_bytes`; unset: 256000000, raised where the shape needs more for chunks of 4096 "
     "vocab columns. The logits' size (T x V x 2 bytes, 16-bit inputs) plus ~2% keeps them all: "
     "forward+backward in three matrix products instead of four.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/plan.py",)))
 LINEAR_LOGP_GROUP_T = _declare(Setting(
     "RLK_LINEAR_LOGP_GROUP_T", parse_positive_int, None,
     "Token tiles per group in the TMA kernel's tile order; unset: token tile fastest over all T.",
-    readers=("kernels/ops/linear_logp.py",)))
+    readers=("kernels/ops/linear_logp/launch.py",)))
 
 # -- native builds (kernels/ops/cuda/, kernels/ops/host/) ----------------------------------------
 NVCC = _declare(Setting(

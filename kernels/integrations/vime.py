@@ -60,6 +60,9 @@ on the device, host values sent through pinned memory), so a micro-batch never d
 launch queue. Bad ids the kernels find raise ``kernels.DeviceInputError`` at a later call without
 waiting (the next at the latest), or at ``kernels.raise_pending_errors()``; the rows they touch are
 NaN until then.
+
+The batch contract's packing is kernels/integrations/vime_batch.py, the telemetry
+kernels/integrations/vime_telemetry.py; this module holds the hooks, the settings and the loss.
 """
 
 from __future__ import annotations
@@ -67,16 +70,22 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import re
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import kernels
 from kernels import device_errors, dispatch, reference, settings
+from kernels.integrations.vime_batch import PackedResponses, _on_device, pack_responses
+from kernels.integrations.vime_telemetry import (
+    BACKEND_METRIC_PREFIX,
+    STAGE_METRICS,
+    StageTimer,
+    _telemetry,
+    backend_from_metrics,
+)
 from kernels.reference.policy_loss import gspo_sequence_log_ratio
 from kernels.reference.reductions import sample_index
 
@@ -87,8 +96,6 @@ DEFAULT_NATIVE_LOSS = settings.NATIVE_LOSS.default
 NATIVE_BACKEND_ID = "vime-native"  # the backend key's value when the adapter handed the call to vime
 # The op name the adapter's own fallback is reported under (strict errors, log lines).
 ADAPTER_OP = "vime_policy_loss"
-BACKEND_METRIC_PREFIX = "rlk_backend__"
-STAGE_METRICS = ("rlk_logp_ms", "rlk_entropy_ms", "rlk_ratio_kl_ms", "rlk_loss_ms")
 SUPPORTED_QKV_FORMATS = ("thd",)
 
 
@@ -185,166 +192,6 @@ def call_weight(args: Any, batch: dict) -> float | torch.Tensor:
     return float(len(batch["response_lengths"])) / cp
 
 
-# ----------------------------------------------------------------------------- packing
-@dataclasses.dataclass
-class PackedResponses:
-    """The response tokens of a packed micro-batch, concatenated sample after sample ([R] = sum R_i)."""
-
-    logits: torch.Tensor  # [R, V_local], rows predicting each response token
-    target_ids: torch.Tensor  # [R] int64 global ids
-    lengths: torch.Tensor  # [B] int64 response lengths
-    loss_mask: torch.Tensor  # [R]
-    old_logp: torch.Tensor | None  # [R] fp32; None when the batch carries no old log-probs
-    advantages: torch.Tensor  # [R] fp32
-    ref_logp: torch.Tensor | None  # [R] fp32
-    rollout_logp: torch.Tensor | None  # [R] fp32
-
-
-def _on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device`` without waiting for it: a host tensor goes to a GPU through a pinned
-    staging copy and an asynchronous transfer (the caching host allocator keeps the staging buffer
-    until the transfer has run), where ``x.to(device)`` would wait for the device's queue."""
-    if x.device == device or x.device.type != "cpu" or device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
-
-
-def _cat(batch: dict, key: str, device: torch.device, total: int, dtype: torch.dtype | None) -> torch.Tensor:
-    value = batch[key]
-    if isinstance(value, torch.Tensor):
-        out = value.reshape(-1)
-    elif isinstance(value, Sequence) and value and all(isinstance(v, torch.Tensor) for v in value):
-        out = torch.cat([v.reshape(-1) for v in value])
-    else:
-        raise TypeError(f"batch[{key!r}] must be a tensor or a non-empty list of tensors, got {type(value).__name__}")
-    if out.numel() != total:
-        raise ValueError(f"batch[{key!r}] has {out.numel()} values, expected sum(response_lengths) = {total}")
-    out = _on_device(out, device)
-    return out if dtype is None else out.to(dtype)
-
-
-def _int_list(batch: dict, key: str) -> list[int]:
-    if key not in batch:
-        raise KeyError(f"batch is missing {key!r} (vime's packed batch carries it)")
-    value = batch[key]
-    return [int(v) for v in (value.tolist() if isinstance(value, torch.Tensor) else value)]
-
-
-def pack_responses(batch: dict, logits: torch.Tensor) -> PackedResponses:
-    """Map vime's packed batch + logits onto per-response-token tensors (see the module docstring)."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() == 3:
-        if logits.shape[0] != 1:
-            raise ValueError(f"logits must be [T, V] or [1, T, V] (packed THD), got shape {tuple(logits.shape)}")
-        logits = logits[0]
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [T, V] or [1, T, V] (packed THD), got shape {tuple(logits.shape)}")
-    total_lengths = _int_list(batch, "total_lengths")
-    response_lengths = _int_list(batch, "response_lengths")
-    if len(total_lengths) != len(response_lengths):
-        raise ValueError(
-            f"batch['total_lengths'] ({len(total_lengths)} samples) and batch['response_lengths'] "
-            f"({len(response_lengths)}) disagree"
-        )
-    for i, (tot, resp) in enumerate(zip(total_lengths, response_lengths)):
-        if not 0 < resp < tot:
-            raise ValueError(f"sample {i}: response_lengths={resp} must be in [1, total_lengths={tot})")
-    num_rows = sum(total_lengths)
-    if logits.shape[0] < num_rows:
-        raise ValueError(f"logits has {logits.shape[0]} rows, fewer than sum(total_lengths) = {num_rows}")
-    device = logits.device
-    if "tokens" in batch:
-        tokens = batch["tokens"].reshape(-1)
-    elif "unconcat_tokens" in batch:
-        tokens = torch.cat([t.reshape(-1) for t in batch["unconcat_tokens"]])
-    else:
-        raise KeyError("batch needs 'tokens' (packed [T_total]) or 'unconcat_tokens' (list of [total_i])")
-    if tokens.numel() < num_rows:
-        raise ValueError(f"batch tokens have {tokens.numel()} ids, fewer than sum(total_lengths) = {num_rows}")
-    rows, targets = [], []
-    end = 0
-    for tot, resp in zip(total_lengths, response_lengths):
-        end += tot
-        rows.append(torch.arange(end - resp - 1, end - 1))
-        targets.append(torch.arange(end - resp, end))
-    row_index = _on_device(torch.cat(rows), device)
-    target_index = _on_device(torch.cat(targets), tokens.device)
-    num_resp = int(row_index.numel())
-    def given(key: str) -> bool:  # vime's own test: present and non-empty
-        value = batch.get(key)
-        return value is not None and (value.numel() > 0 if isinstance(value, torch.Tensor) else len(value) > 0)
-
-    has_old, has_ref, has_rollout = given("log_probs"), given("ref_log_probs"), given("rollout_log_probs")
-    return PackedResponses(
-        logits=logits.index_select(0, row_index),
-        target_ids=_on_device(tokens.index_select(0, target_index), device).to(torch.int64),
-        lengths=_on_device(torch.tensor(response_lengths, dtype=torch.int64), device),
-        loss_mask=_cat(batch, "loss_masks", device, num_resp, None),
-        old_logp=_cat(batch, "log_probs", device, num_resp, torch.float32) if has_old else None,
-        advantages=_cat(batch, "advantages", device, num_resp, torch.float32),
-        ref_logp=_cat(batch, "ref_log_probs", device, num_resp, torch.float32) if has_ref else None,
-        rollout_logp=_cat(batch, "rollout_log_probs", device, num_resp, torch.float32) if has_rollout else None,
-    )
-
-
-# ----------------------------------------------------------------------------- telemetry
-class StageTimer:
-    """Time of named stages without a host sync: the device's own clock on a GPU
-    (kernels/device_clock.py: each result a 0-dim fp32 tensor on the device, read whenever the
-    training loop reads its metrics), ``time.perf_counter`` on a CPU (floats). ``stages``: how many
-    stages it times at most."""
-
-    def __init__(self, device: torch.device, stages: int = len(STAGE_METRICS)) -> None:
-        self._clock = None
-        if device.type == "cuda":
-            from kernels.device_clock import DeviceClock  # Triton: imported where a GPU is timed
-
-            self._clock = DeviceClock(device, 2 * stages)
-        self._stamps = 0
-        self._marks: list[tuple[str, Any, Any]] = []
-
-    def stage(self, name: str) -> _Stage:
-        return _Stage(self, name)
-
-    def _now(self) -> Any:
-        if self._clock is None:
-            return time.perf_counter()
-        slot, self._stamps = self._stamps, self._stamps + 1
-        self._clock.stamp(slot)
-        return slot
-
-    def results_ms(self) -> dict[str, Any]:
-        if self._clock is None:
-            return {name: (end - start) * 1e3 for name, start, end in self._marks}
-        return {name: self._clock.elapsed_ms(start, end) for name, start, end in self._marks}
-
-
-class _Stage:
-    def __init__(self, timer: StageTimer, name: str) -> None:
-        self._timer, self._name = timer, name
-
-    def __enter__(self) -> None:
-        self._start = self._timer._now()
-
-    def __exit__(self, *exc: object) -> None:
-        self._timer._marks.append((self._name, self._start, self._timer._now()))
-
-
-def backend_metric_name(backend_id: str) -> str:
-    """``rlk_backend__<id>`` with characters outside [A-Za-z0-9_.-] replaced by '_'."""
-    return BACKEND_METRIC_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", backend_id)
-
-
-def backend_from_metrics(metrics: dict[str, Any]) -> str | None:
-    """The (sanitized) backend id encoded in a metrics dict, with or without vime's ``train/`` prefix."""
-    for key in metrics:
-        name = key.rsplit("/", 1)[-1]
-        if name.startswith(BACKEND_METRIC_PREFIX):
-            return name[len(BACKEND_METRIC_PREFIX):]
-    return None
-
-
 # ----------------------------------------------------------------------------- the loss
 def _tp_group(args: Any) -> Any:
     """Megatron's TP group when ``--tensor-model-parallel-size`` > 1 (logits are vocab shards)."""
@@ -376,29 +223,6 @@ def reset_native_fallbacks() -> None:
     """Zero the counts; the next fallback of each reason logs its WARNING again (tests)."""
     _native_fallbacks.clear()
 
-
-def _scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim fp32 tensor on ``device`` filled there (``torch.tensor(value, device=...)`` would copy
-    it from the host and wait for the device)."""
-    return torch.full((), value, dtype=torch.float32, device=device)
-
-
-def _telemetry(metrics: dict, *, fell_back: bool, backend: str, stages_ms: dict[str, Any],
-               weight: float | torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-    """``metrics`` and the rlk_* telemetry, every value a 0-dim fp32 tensor on ``device``; stage
-    times are StageTimer's results (device tensors on a GPU, floats on a CPU), ``weight``
-    call_weight's (a float, or a device tensor)."""
-    def weighted(value: float | torch.Tensor) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor) and not isinstance(weight, torch.Tensor):
-            return _scalar(value * weight, device)
-        return (value * weight).to(device=device, dtype=torch.float32)
-
-    out = dict(metrics)
-    out["rlk_fallback"] = weighted(float(fell_back))
-    out[backend_metric_name(backend)] = weighted(1.0)
-    for name in STAGE_METRICS:
-        out[name] = weighted(stages_ms.get(name, 0.0))
-    return out
 
 
 def _native(args: Any, batch: dict, logits: torch.Tensor, sum_of_sample_mean: Callable, *,
@@ -583,3 +407,33 @@ def reset_init_decision() -> None:
     """Forget the cached init decision (tests; a process that changes its environment)."""
     global _INIT_DECISION
     _INIT_DECISION = None
+
+
+# The adapter's public names (its telemetry and batch helpers live in vime_telemetry.py and
+# vime_batch.py; callers name them here).
+__all__ = [
+    "ADAPTER_OP",
+    "BACKEND_METRIC_PREFIX",
+    "DEFAULT_NATIVE_LOSS",
+    "InitDecision",
+    "NATIVE_BACKEND_ID",
+    "NATIVE_LOSS_ENV",
+    "PackedResponses",
+    "STAGE_METRICS",
+    "SUPPORTED_QKV_FORMATS",
+    "StageTimer",
+    "backend_from_metrics",
+    "call_weight",
+    "init_hook",
+    "load_native_loss",
+    "loss_config_from_args",
+    "native_fallbacks",
+    "pack_responses",
+    "pg_loss_type",
+    "policy_loss",
+    "reset_init_decision",
+    "reset_native_fallbacks",
+    "response_entropy",
+    "tis_enabled",
+    "unsupported_reasons",
+]

@@ -1,4 +1,5 @@
-"""Our Triton operators: one file per op (kernel, autograd wrapper and docstring side by side).
+"""Our Triton operators: one module per op (kernel, autograd wrapper and docstring side by side; the
+larger linear_logp is a package of the same parts, one file per concern).
 
 Importing this package compiles nothing, but ``triton.jit`` decides at decoration time whether a
 kernel runs compiled (CUDA) or through the CPU interpreter: ``TRITON_INTERPRET=1`` must be set

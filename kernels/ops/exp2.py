@@ -3,7 +3,7 @@
 exp(z - m) is formed as exp2(fma(z, log2e, -h)) with h = m * log2e rounded: one FFMA and one ex2
 per element where exp's own lowering takes an FADD, an FMUL and an ex2. Every such term carries the
 factor 2**(m log2e - h); :func:`exp2_correction` takes it out of a sum (or of a coefficient) once.
-Users: kernels/ops/logp.py (row_max_sumexp, row_write_grad) and kernels/ops/linear_logp.py.
+Users: kernels/ops/logp.py (row_max_sumexp, row_write_grad) and kernels/ops/linear_logp/kernels.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ that the kernel writes through the GPU's mapping of it. A good call stores nothi
 costs a compare per row and no host sync.
 
 The logp and grpo_loss kernels check inside their own row loops (:func:`report_bad_value`).
-linear_logp's kernels (kernels/ops/linear_logp.py) take the ids as they are; its calls run
+linear_logp's kernels (kernels/ops/linear_logp/) take the ids as they are; its calls run
 :func:`launch_ids_check` first, one small launch over the [T] ids.
 """
 
@@ -68,7 +68,7 @@ def launch_ids_check(ids: torch.Tensor, id_bound: int, call_id: int, ignore_inde
 
 
 def linear_logp_call(call: LinearLogpCall) -> torch.Tensor:
-    """linear_logp on the Triton kernels (kernels/ops/linear_logp.py), the ids checked on the
+    """linear_logp on the Triton kernels (kernels/ops/linear_logp/), the ids checked on the
     device first when the call left them to it."""
     from kernels.ops.linear_logp import linear_logp_call as run
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pytest_rlk.drift.runner import Comparison, LadderResult
+from pytest_rlk.drift.result import Comparison, LadderResult
 
 GATED_ALWAYS = ("abs_mean",)
 GATED_WITH_CONTRACT = ("abs_max",)

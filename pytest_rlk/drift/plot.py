@@ -8,7 +8,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from pytest_rlk.drift.runner import LadderResult
+from pytest_rlk.drift.result import LadderResult
 
 QUANTILES = (("abs_p50", "p50", "o"), ("abs_p90", "p90", "s"), ("abs_p99", "p99", "^"), ("abs_max", "max", "v"),
              ("abs_mean", "mean", "x"))

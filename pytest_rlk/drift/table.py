@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_rlk.drift.rungs import RUNGS
-from pytest_rlk.drift.runner import Comparison, LadderResult
+from pytest_rlk.drift.result import Comparison, LadderResult
 
 PRODUCTION = "A5/vllm-vs-kernels"  # the production comparison: the rollout against training with the kernels
 MATCHED_DTYPE = "A5/vllm-vs-bf16"  # the rollout against training in the rollout's dtype: the engine's own part

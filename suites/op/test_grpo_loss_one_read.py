@@ -128,7 +128,7 @@ def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
 @pytest.mark.parametrize("defines", [(), ("RLK_BULK_LOAD=0",)], ids=["default", "per-thread-cp-async"])
 def test_the_cuda_source_compiles(tmp_path, monkeypatch, defines):
     """nvcc accepts the kernel for sm_90 (no GPU needed): a typo fails here, not on the GPU machine;
-    also the per-thread copy path the probe (suites/op/probe_grpo_one_read_config.py) compares with."""
+    also the per-thread copy path the probe (tools/probes/probe_grpo_one_read_config.py) compares with."""
     monkeypatch.setenv("RLK_CUDA_CACHE", str(tmp_path))
     fatbin = build.compile_fatbin(one_read.SOURCE, defines)
     assert fatbin.is_file() and fatbin.stat().st_size > 0

@@ -24,6 +24,9 @@ import kernels
 from kernels import tolerances
 from kernels.ops import INTERPRETED, value_checks
 from kernels.ops import linear_logp as op_module
+from kernels.ops.linear_logp import launch as llp_launch
+from kernels.ops.linear_logp import passes as llp_passes
+from kernels.ops.linear_logp import plan as llp_plan
 from kernels.ops.linear_logp import linear_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
 from pytest_rlk.e2e.processes import pythonpath_first
@@ -80,14 +83,14 @@ def _budget(T, H, V, dtype, cols, saved=None, in_weight_grad=False):
     """The workspace budget whose plan uses a buffer of ``cols`` vocab columns (the run's tile sizes),
     keeping ``saved`` (default: as many as the buffer holds; every column with ``in_weight_grad``)
     columns."""
-    block_v = op_module._tile_config(dtype).block_v
+    block_v = llp_plan._tile_config(dtype).block_v
     element = torch.empty((), dtype=dtype).element_size()
     saved = (V if in_weight_grad else min(cols, V)) if saved is None else saved
-    return op_module._workspace(T, H, V, element, block_v, saved, cols, True, in_weight_grad)
+    return llp_plan._workspace(T, H, V, element, block_v, saved, cols, True, in_weight_grad)
 
 
 def _plan_of(T, H, V, dtype, budget, save=True, weight_grad=False):
-    return op_module._plan(T, H, V, dtype, budget, explicit=True, save=save, tp=False, weight_grad=weight_grad)
+    return llp_plan._plan(T, H, V, dtype, budget, explicit=True, save=save, tp=False, weight_grad=weight_grad)
 
 
 def test_backward_over_several_vocab_chunks_without_bias():
@@ -95,11 +98,11 @@ def test_backward_over_several_vocab_chunks_without_bias():
     kept one (dH accumulates across them)."""
     T, H, V = 40, 32, 257
     leaves, ids = _inputs(torch.float32, T=T, H=H, V=V, bias=False, seed=1)
-    block_v = op_module._tile_config(torch.float32).block_v
+    block_v = llp_plan._tile_config(torch.float32).block_v
     budget = _budget(T, H, V, torch.float32, block_v)
     plan = _plan_of(T, H, V, torch.float32, budget)
     assert plan.saved_cols == block_v and plan.dh32
-    assert len(op_module._even_chunks(plan.saved_cols, V, plan.buffer_cols, block_v)) > 1, "several chunks"
+    assert len(llp_plan._even_chunks(plan.saved_cols, V, plan.buffer_cols, block_v)) > 1, "several chunks"
     logp, grads = _grads(functools.partial(linear_logp, workspace_bytes=budget), leaves, ids, 1.0)
     ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 1.0)
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, torch.float32)
@@ -114,7 +117,7 @@ def test_backward_matmul_options(monkeypatch, matmul, kept):
     monkeypatch.setenv(op_module.BWD_MATMUL_ENV, matmul)
     monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "1" if kept == "in_weight_grad" else "0")
     T, H, V = 24, 32, 257
-    block_v = op_module._tile_config(torch.bfloat16).block_v
+    block_v = llp_plan._tile_config(torch.bfloat16).block_v
     budget = _budget(T, H, V, torch.bfloat16, block_v, in_weight_grad=kept == "in_weight_grad")
     if kept == "all":
         budget = 10**9
@@ -131,20 +134,20 @@ def test_backward_matmul_options(monkeypatch, matmul, kept):
 def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     """The persistent TMA kernel (GPU default for bf16/fp16) forced on in the interpreter: partial
     tiles in T, V and K (H = 40), bias, an ignored row, several backward chunks, both tile orders."""
-    monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", True)
+    monkeypatch.setattr(llp_launch, "TMA_IN_INTERPRETER", True)
     monkeypatch.setenv(op_module.GROUP_T_ENV, group_t)
     monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "0")  # the backward recomputes (in the TMA kernel)
     launched = []
-    kernel = op_module._tma_tiles_kernel
+    kernel = llp_launch._tma_tiles_kernel
 
     class _Spy:
         def __getitem__(self, grid):
             launched.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(op_module, "_tma_tiles_kernel", _Spy())
+    monkeypatch.setattr(llp_launch, "_tma_tiles_kernel", _Spy())
     T, H = 40, 40
-    budget = _budget(T, H, ODD_VOCAB, dtype, 2 * op_module._tile_config(dtype).block_v)
+    budget = _budget(T, H, ODD_VOCAB, dtype, 2 * llp_plan._tile_config(dtype).block_v)
     leaves, ids = _inputs(dtype, T=T, H=H, V=ODD_VOCAB, seed=3)
     logp, grads = _grads(functools.partial(linear_logp, workspace_bytes=budget), leaves, ids, 0.7)
     ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
@@ -164,20 +167,20 @@ def test_kept_logits_match_recompute(monkeypatch, path, kept):
     the same graph (retain_graph) recomputes and agrees."""
     if path != "default" and not INTERPRETED:
         pytest.skip("the TMA paths are the GPU default for bf16 (covered by the parity tests there)")
-    monkeypatch.setattr(op_module, "TMA_IN_INTERPRETER", path != "default")
+    monkeypatch.setattr(llp_launch, "TMA_IN_INTERPRETER", path != "default")
     for knob in ("TMA_STORE_Q", "TMA_STORE_DLOGITS"):
-        monkeypatch.setattr(op_module, knob, path == "tma_store")
+        monkeypatch.setattr(llp_launch, knob, path == "tma_store")
     in_grad = kept == "in_weight_grad"
     monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "1" if in_grad else "0")
     T, H, V = 40, 40, ODD_VOCAB
-    budget = _budget(T, H, V, torch.bfloat16, 2 * op_module._tile_config(torch.bfloat16).block_v, in_weight_grad=in_grad)
+    budget = _budget(T, H, V, torch.bfloat16, 2 * llp_plan._tile_config(torch.bfloat16).block_v, in_weight_grad=in_grad)
     if kept == "all":
         budget = 10**9
     plan = _plan_of(T, H, V, torch.bfloat16, budget, weight_grad=in_grad)
     assert (plan.saved_cols == V) == (kept != "some") and plan.in_weight_grad == in_grad
     finished = []
-    finish = op_module._saved_dlogits
-    monkeypatch.setattr(op_module, "_saved_dlogits", lambda *a: finished.append(1) or finish(*a))
+    finish = llp_passes._saved_dlogits
+    monkeypatch.setattr(llp_passes, "_saved_dlogits", lambda *a: finished.append(1) or finish(*a))
     ours = functools.partial(linear_logp, workspace_bytes=budget)
     leaves, ids = _inputs(torch.bfloat16, T=T, H=H, V=V, seed=4)
     ref_logp, ref_grads = _grads(reference_linear_logp, leaves, ids, 0.7)
@@ -187,8 +190,8 @@ def test_kept_logits_match_recompute(monkeypatch, path, kept):
         got[save] = _grads(ours, leaves, ids, 0.7)
         assert_linear_logp_close(*got[save], ref_logp, ref_grads, torch.bfloat16)
     kept_pieces = len(finished)  # the kept block, or each chunk of the weight gradient's rows
-    block_v = op_module._tile_config(torch.bfloat16).block_v
-    assert kept_pieces == (len(op_module._even_chunks(0, V, plan.buffer_cols, block_v)) if in_grad else 1), \
+    block_v = llp_plan._tile_config(torch.bfloat16).block_v
+    assert kept_pieces == (len(llp_plan._even_chunks(0, V, plan.buffer_cols, block_v)) if in_grad else 1), \
         "only the saving run may take the kept-logits path"
     assert in_grad == (kept_pieces > 1)
     assert torch.equal(got["1"][0], got["0"][0]), "keeping logits must not change the forward's log-probs"
@@ -215,7 +218,7 @@ def test_bad_save_logits_setting_is_an_error(monkeypatch):
 
 def _weight_grad_budget(T, H, V, dtype, chunks):
     """A budget whose plan keeps every column in the weight gradient and runs ``chunks`` chunks."""
-    block_v = op_module._tile_config(dtype).block_v
+    block_v = llp_plan._tile_config(dtype).block_v
     return _budget(T, H, V, dtype, -(-V // chunks // block_v) * block_v, in_weight_grad=True)
 
 
@@ -230,7 +233,7 @@ def test_logits_kept_in_the_weight_gradient(monkeypatch, dtype):
     budget = _weight_grad_budget(T, H, V, dtype, chunks=3)
     plan = _plan_of(T, H, V, dtype, budget, weight_grad=True)
     assert plan.in_weight_grad and plan.saved_cols == V and plan.workspace <= budget
-    assert len(op_module._even_chunks(0, V, plan.buffer_cols, op_module._tile_config(dtype).block_v)) == 3
+    assert len(llp_plan._even_chunks(0, V, plan.buffer_cols, llp_plan._tile_config(dtype).block_v)) == 3
     assert _plan_of(T, H, V, dtype, budget).saved_cols < V, "without the weight gradient, not all fit"
     leaves, ids = _inputs(dtype, T=T, H=H, V=V, seed=5)
     hidden, weight, bias = leaves
@@ -254,7 +257,7 @@ def test_logits_stay_in_the_budget_where_the_weight_gradient_cannot_hold_them(mo
     where RLK_LINEAR_LOGP_KEEP_IN_WEIGHT_GRAD=0 opts out, and where T > H (q would not fit in dW)."""
     T, H, V = (48, 40, ODD_VOCAB) if case == "tokens_over_hidden" else (24, 40, ODD_VOCAB)
     dtype = torch.bfloat16
-    budget = _budget(T, H, V, dtype, 2 * op_module._tile_config(dtype).block_v)
+    budget = _budget(T, H, V, dtype, 2 * llp_plan._tile_config(dtype).block_v)
     leaves, ids = _inputs(dtype, T=T, H=H, V=V, seed=6)
     if case == "weight_without_grad":
         leaves[1].requires_grad_(False)
@@ -278,7 +281,7 @@ def test_default_budget_keeps_every_logit_in_the_weight_gradient_at_the_issue_sh
     """At T = H = 4096, V = 151936 the default 256 MB budget, with the weight's gradient computed,
     keeps every column (three products) within 256 MB; opted out, or without dW, the budget path."""
     T, H, V = ISSUE_SHAPE
-    default = op_module._plan(*ISSUE_SHAPE, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES, explicit=False,
+    default = llp_plan._plan(*ISSUE_SHAPE, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES, explicit=False,
                               save=True, tp=False, weight_grad=True, interpreted=False)
     assert default.in_weight_grad and default.saved_cols == V and default.dh32
     assert default.workspace <= op_module.DEFAULT_WORKSPACE_BYTES
@@ -287,9 +290,9 @@ def test_default_budget_keeps_every_logit_in_the_weight_gradient_at_the_issue_sh
     assert op_module.planned_workspace_bytes(T, H, V, torch.bfloat16) <= op_module.DEFAULT_WORKSPACE_BYTES
     # a budget that holds every logit in the workspace still keeps them in the weight gradient
     # (faster on an H200: 23.2 against 24.2-24.4 ms), the budget sizing two chunks
-    roomy = op_module._plan(*ISSUE_SHAPE, torch.bfloat16, int(T * V * 2 * 1.02), explicit=True, save=True, tp=False,
+    roomy = llp_plan._plan(*ISSUE_SHAPE, torch.bfloat16, int(T * V * 2 * 1.02), explicit=True, save=True, tp=False,
                             weight_grad=True, interpreted=False)
-    assert roomy.in_weight_grad and len(op_module._even_chunks(0, V, roomy.buffer_cols, 256)) == 2
+    assert roomy.in_weight_grad and len(llp_plan._even_chunks(0, V, roomy.buffer_cols, 256)) == 2
     monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "0")
     assert op_module.kept_vocab_columns(T, H, V, torch.bfloat16) < V
 
@@ -305,7 +308,7 @@ ISSUE_SHAPE = (4096, 4096, 151936)
 
 
 def _issue_plan(budget, explicit=True, weight_grad=False):
-    return op_module._plan(*ISSUE_SHAPE, torch.bfloat16, budget, explicit=explicit, save=True, tp=False,
+    return llp_plan._plan(*ISSUE_SHAPE, torch.bfloat16, budget, explicit=explicit, save=True, tp=False,
                            weight_grad=weight_grad, interpreted=False)
 
 
@@ -317,7 +320,7 @@ def test_workspace_plans_at_the_issue_shape():
     default = _issue_plan(op_module.DEFAULT_WORKSPACE_BYTES, explicit=False)
     assert default.workspace <= op_module.DEFAULT_WORKSPACE_BYTES and default.dh32
     assert 0 < default.saved_cols < V and default.saved_cols == default.buffer_cols
-    widths = [cols for _, cols in op_module._even_chunks(default.saved_cols, V, default.buffer_cols, 256)]
+    widths = [cols for _, cols in llp_plan._even_chunks(default.saved_cols, V, default.buffer_cols, 256)]
     assert max(widths) <= default.buffer_cols and max(widths) - min(widths) < max(widths) // 10, widths
     logits_size = _issue_plan(T * V * 2)
     assert logits_size.workspace <= T * V * 2 and logits_size.saved_cols >= 0.9 * V
@@ -356,11 +359,11 @@ def test_workspace_setting(monkeypatch):
 def test_default_budget_keeps_chunks_wide_where_the_shape_needs_more():
     """At T = 16384, H = 8192 the fp32 dH accumulator alone is 537 MB: the default budget grows to
     chunks of 4096 columns rather than failing or crawling; an explicit budget is held to."""
-    plan = op_module._plan(16384, 8192, 151936, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES,
+    plan = llp_plan._plan(16384, 8192, 151936, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES,
                            explicit=False, save=True, tp=False, interpreted=False)
     assert plan.buffer_cols == op_module.MIN_DEFAULT_CHUNK_COLS
     with pytest.raises(ValueError, match="below"):
-        op_module._plan(16384, 8192, 151936, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES,
+        llp_plan._plan(16384, 8192, 151936, torch.bfloat16, op_module.DEFAULT_WORKSPACE_BYTES,
                         explicit=True, save=True, tp=False, interpreted=False)
 
 
@@ -375,14 +378,14 @@ def test_bad_backward_matmul_setting_is_an_error(monkeypatch):
 def test_bad_tile_setting_is_an_error(monkeypatch):
     monkeypatch.setenv(op_module.TILES_ENV, "128,100,64,8,3")
     with pytest.raises(ValueError, match="powers of two"):
-        op_module._tile_config(torch.bfloat16, interpreted=False)
+        llp_plan._tile_config(torch.bfloat16, interpreted=False)
 
 
 @pytest.mark.parametrize("value", ["0", "x"])
 def test_bad_tma_setting_is_an_error(monkeypatch, value):
     monkeypatch.setenv(op_module.GROUP_T_ENV, value)
     with pytest.raises(ValueError, match=op_module.GROUP_T_ENV):
-        op_module._tma_group_t()
+        llp_launch._tma_group_t()
 
 
 def test_dispatch_serves_linear_logp_from_the_triton_backend(triton_strict):
@@ -435,7 +438,7 @@ def test_triton_kernels_compile_for_sm_90a():
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = pythonpath_first(root, environ=env)
-    proc = subprocess.run([sys.executable, str(root / "suites/op/probe_linear_logp.py"), "--compile-check"],
+    proc = subprocess.run([sys.executable, str(root / "tools/probes/probe_linear_logp.py"), "--compile-check"],
                           check=False, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     compiled = [line for line in proc.stdout.splitlines() if line.startswith(("ok ", "FAILED "))]
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -372,9 +372,9 @@ LLP_T, LLP_H = 24, 40  # T <= H: the weight gradient can hold the logits
 def _llp_v() -> int:
     """A vocab of several of the run's vocab tiles (bf16 and fp32; the interpreter's or a GPU's), a
     partial last one."""
-    from kernels.ops import linear_logp as op_module
+    from kernels.ops.linear_logp import plan as llp_plan
 
-    return 3 * max(op_module._tile_config(dtype).block_v for dtype in (torch.bfloat16, torch.float32)) + 8
+    return 3 * max(llp_plan._tile_config(dtype).block_v for dtype in (torch.bfloat16, torch.float32)) + 8
 
 
 def _linear_logp_plan(plan: str, dtype: torch.dtype, monkeypatch) -> int | None:
@@ -383,22 +383,23 @@ def _linear_logp_plan(plan: str, dtype: torch.dtype, monkeypatch) -> int | None:
     the workspace (``all``); two vocab tiles, the rest recomputed in chunks (``some``); nothing
     (``none``). Asserts the plan."""
     from kernels.ops import linear_logp as op_module
+    from kernels.ops.linear_logp import plan as llp_plan
 
     monkeypatch.setenv(op_module.KEEP_IN_WEIGHT_GRAD_ENV, "1" if plan == "in_weight_grad" else "0")
     monkeypatch.setenv(op_module.SAVE_LOGITS_ENV, "0" if plan == "none" else "1")
-    V, block_v = _llp_v(), op_module._tile_config(dtype).block_v
+    V, block_v = _llp_v(), llp_plan._tile_config(dtype).block_v
     element = torch.empty((), dtype=dtype).element_size()
     cols = {"in_weight_grad": block_v, "some": 2 * block_v}.get(plan)
-    budget = None if cols is None else op_module._workspace(
+    budget = None if cols is None else llp_plan._workspace(
         LLP_T, LLP_H, V, element, block_v, V if plan == "in_weight_grad" else cols, cols, True,
         plan == "in_weight_grad")
-    found = op_module._plan(LLP_T, LLP_H, V, dtype, budget or op_module.DEFAULT_WORKSPACE_BYTES,
+    found = llp_plan._plan(LLP_T, LLP_H, V, dtype, budget or op_module.DEFAULT_WORKSPACE_BYTES,
                             explicit=budget is not None, save=plan != "none", tp=False,
                             weight_grad=plan == "in_weight_grad")
     kept = {"in_weight_grad": V, "all": V, "some": cols, "none": 0}[plan]
     assert (found.saved_cols, found.in_weight_grad) == (kept, plan == "in_weight_grad"), found
     if plan == "in_weight_grad":
-        assert len(op_module._even_chunks(0, V, found.buffer_cols, block_v)) > 1, found
+        assert len(llp_plan._even_chunks(0, V, found.buffer_cols, block_v)) > 1, found
     return budget
 
 
@@ -433,7 +434,7 @@ def test_linear_logp_split_compiles_to_the_eager_bits_without_a_second_forward(p
     the weight gradient's layout, all in the workspace, part of them, none); the compiled forward and
     backward run the forward kernels once (the backward reads the forward's residuals: no
     recomputed forward, no autograd run inside an operator)."""
-    from kernels.ops import linear_logp as op_module
+    from kernels.ops.linear_logp import autograd as llp_autograd
 
     budget = _linear_logp_plan(plan, dtype, monkeypatch)
     x = _linear_logp_inputs(dtype, seed=8)
@@ -444,8 +445,8 @@ def test_linear_logp_split_compiles_to_the_eager_bits_without_a_second_forward(p
 
     eager = run_with_grads(fn, x, wrt)
     forwards = []
-    forward = op_module._forward
-    monkeypatch.setattr(op_module, "_forward", lambda *a, **k: forwards.append(a) or forward(*a, **k))
+    forward = llp_autograd._forward
+    monkeypatch.setattr(llp_autograd, "_forward", lambda *a, **k: forwards.append(a) or forward(*a, **k))
     monkeypatch.setattr(linear_logp_library, "recomputed_grads", _generic_split_forbidden)
     compiled_fn = torch.compile(fn, fullgraph=True)
     compiled = run_with_grads(compiled_fn, x, wrt)
@@ -460,14 +461,14 @@ def test_linear_logp_forward_operator_returns_the_plans_residuals(plan, rlk_trit
     kept tiles' row maxima) and the kept logits in the plan's layout ([V, T] in the weight
     gradient's, [T, kept columns] in the workspace); the log-probs are the plain call's; the
     reference returns no residuals."""
-    from kernels.ops import linear_logp as op_module
+    from kernels.ops.linear_logp import plan as llp_plan
 
     budget = _linear_logp_plan(plan, torch.bfloat16, monkeypatch)
     x = _linear_logp_inputs(torch.bfloat16, seed=9)
     layout = _linear_logp_layout(x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, budget)
     args = (x["hidden"], x["weight"], x["bias"], x["ids"], 0.9, None, 0, _llp_v(), budget, True, True, True)
     logp, stats, kept = torch.ops.rlk.linear_logp(*args, layout)
-    block_v = op_module._tile_config(torch.bfloat16).block_v
+    block_v = llp_plan._tile_config(torch.bfloat16).block_v
     tiles = {"in_weight_grad": -(-_llp_v() // block_v), "some": 2, "none": 0}[plan]
     assert stats.shape == (2 + tiles, LLP_T) and stats.dtype == torch.float32
     shape = {"in_weight_grad": (_llp_v(), LLP_T), "some": (LLP_T, 2 * block_v), "none": (0, 0)}[plan]

@@ -15,7 +15,11 @@
 //      gradient folded into c: the caller's prediction of it (grad_pred, see below).
 // HBM traffic: the logits read once, dlogits written once, a few [T] vectors.
 //
-// The loss math is the Triton kernel's (kernels/ops/grpo_loss.py: token_pg_and_grad,
+// One file of ~720 lines on purpose: kernels/ops/cuda/build.py builds one .cu as one nvcc unit (its
+// fatbin cached by this file's hash), and the forward and the backward's write kernels share their
+// loads, stores and loss math as __forceinline__ device functions.
+//
+// The loss math is the Triton kernel's (kernels/ops/grpo_loss_kernels.py: token_pg_and_grad,
 // kernels/ops/ratio_kl.py: kl_value_and_grad), statement for statement; so are the softmax
 // gradient's rounding order (kernels/ops/logp.py: row_write_grad) and the outputs' layout.
 // dlogits is written for the incoming gradient grad_pred, the caller's prediction (the last backward's

@@ -30,7 +30,7 @@ from kernels.ops.cuda import build
 
 SOURCE = Path(__file__).with_name("grpo_loss_one_read.cu")
 THREADS = 512  # threads per CTA (RLK_THREADS in the source)
-# NAME=VALUE macros for experiments (e.g. RLK_MIN_CTAS=2; suites/op/probe_grpo_one_read_config.py)
+# NAME=VALUE macros for experiments (e.g. RLK_MIN_CTAS=2; tools/probes/probe_grpo_one_read_config.py)
 EXTRA_DEFINES: tuple[str, ...] = ()
 SLICE_BYTES = 96 * 1024
 MAX_SLICE_BYTES = 200 * 1024

@@ -3,6 +3,10 @@
 // autograd node whose backward launches the write kernel. Neither the forward nor the backward
 // enters Python.
 //
+// One file of ~710 lines on purpose: kernels/ops/host/build.py builds each host module from one
+// .cpp (with host_common.h, the part the ops share), and the forward, its autograd node and the
+// kernel registry share this op's checks, keys and launch records.
+//
 // Why: a launch-bound grpo_loss forward+backward is all host time, and most of it is Python:
 // autograd.Function's apply and its backward (each a Python frame the engine calls), three Triton
 // launches, a ctypes launch, five allocations. Here the checks are field reads, every launch is one
@@ -40,7 +44,7 @@
 //   every registered kernel; served() counts the calls forward served (for tests and tags).
 // * phases(on) switches on (or off) a clock around each phase of forward and of the node's apply and
 //   returns what was measured since the last call, as {phase: mean us per call} (for the host-time
-//   probe, suites/op/probe_grpo_loss_host.py; off, it costs one branch per phase).
+//   probe, tools/probes/probe_grpo_loss_host.py; off, it costs one branch per phase).
 //
 // Semantics kept from GrpoLossFunction: logits and ids saved as SavedVariables (saved-tensor hooks,
 // the version-counter check, "backward through the graph a second time" after release); dlogits

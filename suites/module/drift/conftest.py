@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pytest_rlk.drift import rungs
-from pytest_rlk.drift.runner import LadderResult, run_ladder
+from pytest_rlk.drift.result import LadderResult
+from pytest_rlk.drift.runner import run_ladder
 
 
 def ladder_device() -> torch.device:

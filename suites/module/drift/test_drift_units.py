@@ -12,8 +12,8 @@ from kernels import tolerances
 from pytest_rlk.drift import contracts, rungs, table
 from pytest_rlk.drift.diagnostics import diagnose
 from pytest_rlk.drift.preconditions import Preconditions
+from pytest_rlk.drift.result import Comparison, LadderResult
 from pytest_rlk.drift.rungs import A0_SIDE, ComparisonSpec, LadderError, SideConfig
-from pytest_rlk.drift.runner import Comparison, LadderResult
 
 
 def _diag(a, b, mask=None, samples=None, **kw):

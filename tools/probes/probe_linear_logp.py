@@ -1,14 +1,14 @@
 """linear_logp probes on a GPU (not a test; docs/linear_logp.md's phase, budget and host-sync figures).
 
-    python3 suites/op/probe_linear_logp.py OUT_DIR [--sections phases,budgets,sync]
-    python3 suites/op/probe_linear_logp.py --compile-check      # no GPU: Triton's compiler for sm_90a
+    python3 tools/probes/probe_linear_logp.py OUT_DIR [--sections phases,budgets,sync]
+    python3 tools/probes/probe_linear_logp.py --compile-check      # no GPU: Triton's compiler for sm_90a
 
 Shape: bf16 hidden [4096, 4096] x W [151936, 4096] (the benchmark's random case). Every section
 times its variants in interleaved rounds (``pytest_rlk.timing.bench``, CUDA events, L2 flushed)
 and reports the median: on these GPUs the products run at the power limit and the clock drifts
 between calls. Writes OUT_DIR/probe_linear_logp.json and prints a table last.
 
-``--compile-check`` compiles the Triton kernels of ``kernels/ops/linear_logp.py`` for sm_90a with
+``--compile-check`` compiles the Triton kernels of ``kernels/ops/linear_logp/kernels.py`` for sm_90a with
 whatever Triton is first on the path (put the device machines' version there: a kernel the CPU
 interpreter runs can still fail Triton's GPU compiler) and prints each one's shared memory; it
 needs no GPU.
@@ -76,6 +76,9 @@ def _with_env(name, value, fn):
 
 def probe(out_dir: str, sections: set[str]) -> None:
     import kernels.ops.linear_logp as op
+    from kernels.ops.linear_logp import launch as llp_launch
+    from kernels.ops.linear_logp import passes as llp_passes
+    from kernels.ops.linear_logp import plan as llp_plan
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
@@ -83,9 +86,9 @@ def probe(out_dir: str, sections: set[str]) -> None:
     ids = torch.randint(0, V, (T,), device="cuda", generator=gen)
     upstream = torch.randn(T, device="cuda", generator=gen)
     h, w = hidden.detach(), weight.detach()
-    local_ids = op._local_ids(ids, 0)
+    local_ids = llp_launch._local_ids(ids, 0)
     coef = (-upstream).contiguous()
-    block_v = op._tile_config(torch.bfloat16).block_v
+    block_v = llp_plan._tile_config(torch.bfloat16).block_v
     n_tiles = -(-V // block_v)
     partials = (torch.empty(n_tiles, T, device="cuda"), torch.empty(n_tiles, T, device="cuda"), torch.zeros(T, device="cuda"))
     rows: list[dict] = []
@@ -99,7 +102,7 @@ def probe(out_dir: str, sections: set[str]) -> None:
         torch.autograd.grad(op.linear_logp(hidden, weight, ids, workspace_bytes=budget), (hidden, weight), upstream)
 
     def tile_kernel(q=None):
-        op._launch_tiles(h, w, None, local_ids, 1.0, col_start=0, n_cols=V, partials=partials, q=q)
+        llp_launch._launch_tiles(h, w, None, local_ids, 1.0, col_start=0, n_cols=V, partials=partials, q=q)
 
     if "phases" in sections:
         q = torch.empty(T, V, device="cuda", dtype=torch.float16)
@@ -115,7 +118,7 @@ def probe(out_dir: str, sections: set[str]) -> None:
         saved, lse, target_logit = ctx.saved_logits, ctx.saved_tensors[4], ctx.saved_tensors[6]
 
         def finish():
-            return op._saved_dlogits(saved, 0, saved.cols, saved.buffer, lse, coef, target_logit, local_ids)
+            return llp_passes._saved_dlogits(saved, 0, saved.cols, saved.buffer, lse, coef, target_logit, local_ids)
 
         dlogits = finish()
         dh, dw = torch.empty_like(h), torch.empty_like(w)
@@ -124,18 +127,18 @@ def probe(out_dir: str, sections: set[str]) -> None:
         _interleaved(rows, {"bwd keep-all: finish q -> dlogits (in place)": finish}, products={
                             "bwd keep-all: finish q -> dlogits (in place)": 0.0})
         del logp, ctx, saved, dlogits
-        plan = op._plan(T, H, V, torch.bfloat16, op.DEFAULT_WORKSPACE_BYTES, explicit=False, save=True, tp=False)
-        start, cols = op._even_chunks(plan.saved_cols, V, plan.buffer_cols, block_v)[0]
+        plan = llp_plan._plan(T, H, V, torch.bfloat16, op.DEFAULT_WORKSPACE_BYTES, explicit=False, save=True, tp=False)
+        start, cols = llp_plan._even_chunks(plan.saved_cols, V, plan.buffer_cols, block_v)[0]
         chunk = torch.empty(T, plan.buffer_cols, device="cuda", dtype=torch.bfloat16)[:, :cols]
         dh32 = torch.zeros(T, H, device="cuda")
         lse = torch.full((T,), 13.0, device="cuda")
 
         def recompute():
-            op._launch_tiles(h, w, None, local_ids, 1.0, col_start=start, n_cols=cols, dlogits=chunk, lse=lse, coef=coef)
+            llp_launch._launch_tiles(h, w, None, local_ids, 1.0, col_start=start, n_cols=cols, dlogits=chunk, lse=lse, coef=coef)
 
-        fns = {f"bwd default: recompute chunk of {cols} cols, TMA store": _with(op, "TMA_STORE_DLOGITS", True, recompute),
-               f"bwd default: recompute chunk of {cols} cols, pointer stores": _with(op, "TMA_STORE_DLOGITS", False, recompute),
-               "bwd default: dH32 += chunk @ W_chunk": lambda: op._accumulate_dh(dh32, chunk, w[start:start + cols], first=False),
+        fns = {f"bwd default: recompute chunk of {cols} cols, TMA store": _with(llp_launch, "TMA_STORE_DLOGITS", True, recompute),
+               f"bwd default: recompute chunk of {cols} cols, pointer stores": _with(llp_launch, "TMA_STORE_DLOGITS", False, recompute),
+               "bwd default: dH32 += chunk @ W_chunk": lambda: llp_passes._accumulate_dh(dh32, chunk, w[start:start + cols], first=False),
                "bwd default: dW_chunk = chunk^T @ H": lambda: torch.mm(chunk.t(), h, out=dw[start:start + cols])}
         _interleaved(rows, fns, products=dict.fromkeys(fns, cols / V))
         del chunk, dh32, dh, dw
@@ -181,7 +184,7 @@ def compile_check() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kernels.ops.linear_logp as op
+    from kernels.ops.linear_logp import kernels as llp_kernels
 
     print("triton", triton.__version__)
     tile = {"BLOCK_T": 128, "BLOCK_V": 256, "BLOCK_K": 64, "NUM_PROGRAMS": 132, "FLATTEN": True,
@@ -210,16 +213,16 @@ def compile_check() -> int:
                  "group_t": "i32"}
         consts = {**tile, "DLOGITS": dlogits, "STORE_Q": store_q, "TMA_STORE": tma_store, "Q_TRANSPOSED": q_t,
                   "HAS_BIAS": bias, "WARP_SPECIALIZE": ws}
-        cases.append((op._tma_tiles_kernel, types, consts, 8, 3))
+        cases.append((llp_kernels._tma_tiles_kernel, types, consts, 8, 3))
     cases += [
-        (op._fwd_tile_kernel, pointer, {**pointer_consts, "STORE_Q": True}, 8, 3),
-        (op._dlogits_kernel, pointer, pointer_consts, 8, 3),
-        (op._merge_partials_kernel, {"tile_max_ptr": "*fp32", "tile_sumexp_ptr": "*fp32", "row_max_ptr": "*fp32",
+        (llp_kernels._fwd_tile_kernel, pointer, {**pointer_consts, "STORE_Q": True}, 8, 3),
+        (llp_kernels._dlogits_kernel, pointer, pointer_consts, 8, 3),
+        (llp_kernels._merge_partials_kernel, {"tile_max_ptr": "*fp32", "tile_sumexp_ptr": "*fp32", "row_max_ptr": "*fp32",
                                      "sumexp_ptr": "*fp32", "T": "i32", "n_tiles": "i32"}, {"BLOCK_T": 32, "BLOCK_N": 64}, 4, 3),
-        (op._target_column_kernel, {"dlogits_ptr": "*bf16", "local_ids_ptr": "*i32", "target_logit_ptr": "*fp32",
+        (llp_kernels._target_column_kernel, {"dlogits_ptr": "*bf16", "local_ids_ptr": "*i32", "target_logit_ptr": "*fp32",
                                     "lse_ptr": "*fp32", "coef_ptr": "*fp32", "T": "i32", "col_start": "i32",
                                     "n_cols": "i32", "stride_dt": "i32"}, {"BLOCK_T": 32}, 4, 3),
-        (op._saved_dlogits_kernel, {"q_ptr": "*fp16", "d_ptr": "*bf16", "tile_max_ptr": "*fp32", "lse_ptr": "*fp32",
+        (llp_kernels._saved_dlogits_kernel, {"q_ptr": "*fp16", "d_ptr": "*bf16", "tile_max_ptr": "*fp32", "lse_ptr": "*fp32",
                                     "coef_ptr": "*fp32", "target_logit_ptr": "*fp32", "local_ids_ptr": "*i32",
                                     "T": "i32", "col_start": "i32", "n_cols": "i32", "stride_qt": "i32",
                                     "stride_qc": "i32", "stride_dt": "i32", "stride_dc": "i32"},

@@ -1,6 +1,6 @@
 """Host time of a launch-bound grpo_loss call, part by part (GPU; a script, not a test).
 
-    python suites/op/probe_grpo_loss_host.py [--out FILE.json] [--profile]
+    python tools/probes/probe_grpo_loss_host.py [--out FILE.json] [--profile]
 
 Public call (``kernels.grpo_loss`` with ``VIME_RL_KERNEL=1``) at [64, 151936] bf16, vime's loss as
 the benchmarks run it: forward alone, backward alone (``torch.autograd.grad`` of a fresh forward's
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "suites" / "op"))  # bench_grpo_loss, rlk_bench
 os.environ["VIME_RL_KERNEL"] = "1"
 
 from bench_grpo_loss import CONFIG, _inputs  # the benchmark's inputs and loss

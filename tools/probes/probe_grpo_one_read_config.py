@@ -1,6 +1,6 @@
 """Launch configurations and code variants of the one-read GRPO kernel, timed on this GPU (a script, not a test).
 
-    python suites/op/probe_grpo_one_read_config.py --out DIR [--variants REGEX] [--dtypes bf16,fp32]
+    python tools/probes/probe_grpo_one_read_config.py --out DIR [--variants REGEX] [--dtypes bf16,fp32]
         [--rounds N] [--ncu VARIANT,...] [--baseline-source OLD.cu] [--tests VARIANT]
 
 Each variant is a set of ``-D`` macros of kernels/ops/cuda/grpo_loss_one_read.cu (RLK_THREADS,
@@ -48,9 +48,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+BENCH = Path(__file__).resolve().parents[2] / "suites" / "op"  # rlk_bench and the bench modules
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 os.environ.setdefault("VIME_RL_KERNEL", "1")
 os.environ.setdefault("VIME_RL_KERNEL_CHECK_IDS", "0")  # no host sync: the op is captured in a CUDA graph
 

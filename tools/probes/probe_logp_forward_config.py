@@ -1,6 +1,6 @@
 """Launch configurations of logp's forward kernel, timed on this GPU (a script, not a test).
 
-    python suites/op/probe_logp_forward_config.py --out DIR [--dtypes bf16,fp32] [--rounds N]
+    python tools/probes/probe_logp_forward_config.py --out DIR [--dtypes bf16,fp32] [--rounds N]
 
 For each dtype and shape ([4096, 32000] and [8192, 151936]), every (BLOCK_V, num_warps,
 num_stages) of a grid is launched on ``_logp_fwd_kernel`` directly (the statistics written, as a
@@ -29,9 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+BENCH = Path(__file__).resolve().parents[2] / "suites" / "op"  # rlk_bench and the bench modules
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
 os.environ.setdefault("VIME_RL_KERNEL", "1")  # the public call as a user of the kernels makes it
 

@@ -1,6 +1,6 @@
 """Where a training step's time goes, stage by stage and op by op (GPU; a script, not a test).
 
-    python suites/module/probe_training_step.py [--arms reference,kernels] [--case gpu|tiny] [--out DIR]
+    python tools/probes/probe_training_step.py [--arms reference,kernels] [--case gpu|tiny] [--out DIR]
 
 The 0.6B-sized step of test_training_step.py (GPU_CASE: bf16 weights, fp32 logits [2048, 151936],
 vime's loss with KL and TIS; ``--case tiny``: its tiny dense case, which runs on a CPU too), each

@@ -1,10 +1,10 @@
-"""ncu profile of our kernels at the benchmark shapes: on a GPU machine ``python3 suites/op/ncu_profile.py --ncu OUT``.
+"""ncu profile of our kernels at the benchmark shapes: on a GPU machine ``python3 tools/ncu_profile.py --ncu OUT``.
 
 See docs/ncu.md for the results and the exact command.
 
 Not a test (pytest collects test_*.py / bench_*.py only). Three modes:
 
-* workload (no ``--ncu``): builds each case's inputs like the benchmarks (bench_logp.py,
+* workload (no ``--ncu``): builds each case's inputs like the benchmarks (suites/op: bench_logp.py,
   bench_grpo_loss.py, bench_ratio_kl.py, bench_linear_logp.py: same shapes, seeds, LossConfig),
   warms the op up (compiles), runs the unprofiled part (e.g. the forward of a backward case), then
   the profiled part once between ``cudaProfilerStart``/``Stop`` inside ``torch.cuda.nvtx.range(case)``,
@@ -15,6 +15,9 @@ Not a test (pytest collects test_*.py / bench_*.py only). Three modes:
   forward, linear_logp backward limited to its first chunks), exporting a report per group, then the
   raw and details CSV pages, and writes ``OUT_DIR/summary.md`` (one row per profiled kernel).
 * ``--summarize OUT_DIR``: only the last step, from the ``*_raw.csv`` files already there.
+
+One script of ~550 lines on purpose: ncu profiles this very file as its application (``--ncu``
+re-runs it per case group), and the summary labels the kernels with the workload's case names.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from pathlib import Path
 
 os.environ.setdefault("VIME_RL_KERNEL_CHECK_IDS", "0")  # no host sync in the ids check (as the benchmarks)
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # the bench modules (shapes, LossConfig) and rlk_bench
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "suites" / "op"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))  # the bench modules (shapes, LossConfig) and rlk_bench
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # last: a `kernels` earlier on PYTHONPATH (e.g. a HEAD export) wins
 
@@ -484,7 +487,7 @@ def summarize(out: Path, header: str = "", echo: bool = True) -> str:
             return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
         return str(v).replace("|", "/")
 
-    text = ["# ncu summary (suites/op/ncu_profile.py)", "", header, "",
+    text = ["# ncu summary (tools/ncu_profile.py)", "", header, "",
             "Cases marked * were labelled by launch order (kernels launched by autograd's device thread",
             f"carry no NVTX range). Kernels under {SMALL_US:.0f} us are summed per case below the table.", "",
             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
