@@ -174,3 +174,20 @@ def test_provider_equals_the_forks_native_at_every_temperature(fork, native, ker
         assert got_entropy is None and want_entropy is None
     for name, got, want in zip(("hidden", "weight"), got_grads, want_grads, strict=True):
         tolerances.assert_close(got, want, "linear_logp.grad", torch.float32, name=f"d objective / d {name} ({where})")
+
+
+def test_provider_consulted_without_its_context_reads_as_a_fallback(fork, native, caplog):
+    """What the fork does under ``--loss-type custom_loss``: its ``loss_function`` passes the provider's
+    context only to policy_loss and sft_loss, so the request our custom loss's hand-off to vime's loss
+    reaches the provider with carries none. The provider declines, the fork logs its unavailable WARNING,
+    and the log parser counts that line as a kernel fallback: why the plan refuses the provider together
+    with our custom loss (``test_vime_plans.py::test_the_forks_provider_with_our_custom_loss_is_refused``)."""
+    from pytest_rlk.e2e.engines.vime.log import parse_vime_lines
+
+    request = fork.LinearLogpRequest(**{**_request(fork, with_entropy=False).__dict__, "context": None})
+    with caplog.at_level("WARNING", logger=fork.__name__):
+        logp, _ = fork.compute_linear_logp(args=_args("auto"), request=request, native=native)
+    expected, _ = native(request.logits, request.target_ids, None, with_entropy=False, chunk_size=-1)
+    tolerances.assert_close(logp.detach(), expected.detach(), "linear_logp", torch.float32, name="native logp")
+    lines = [f"[2026-11-20 03:12:10] loss.py:1 - {r.getMessage()}" for r in caplog.records if r.name == fork.__name__]
+    assert len(parse_vime_lines(lines).fallback_lines) == 1, lines
