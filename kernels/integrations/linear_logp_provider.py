@@ -6,8 +6,8 @@ The fork (``vime/backends/megatron_utils/linear_logp_provider.py``) loads the pr
 
 * ``logits [T, V_local]``: the LM head's raw output (not divided by the temperature; the fork keeps them
   for its native path, which divides by the temperature itself), ``target_ids [T]``,
-  ``tensor_parallel_group``, ``token_layout``, ``with_entropy``, ``with_entropy_grad``, ``chunk_size``, ``log_prob_keep_mask [T, V_local] | None``, ``temperature float | Tensor | None``,
-  ``metadata``;
+  ``tensor_parallel_group``, ``token_layout``, ``with_entropy``, ``with_entropy_grad``, ``chunk_size``,
+  ``log_prob_keep_mask [T, V_local] | None``, ``temperature float | Tensor | None``, ``metadata``;
 * ``context``: ``hidden [T, H]``, ``projection.weight [V_local, H]`` / ``.bias``, ``vocab_partition``
   ``(local_start, local_size, real_size, padded_size)``.
 
