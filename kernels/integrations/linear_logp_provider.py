@@ -23,10 +23,10 @@ Served: the log-prob of every row through the public ``linear_logp`` op (:mod:`k
 the backend that computed it). Rows are independent, so every token layout is served. With
 ``with_entropy`` the entropy comes from the request's logits divided by the temperature (fp32 softmax of
 ``logits / T``, what vime's native path computes; autograd only with ``with_entropy_grad``), on one
-vocab shard only. Declined (unavailable,
-with the reason): no context; a ``log_prob_keep_mask`` (top-p replay renormalizes over kept tokens,
-which the fused kernel does not); a per-row temperature tensor; entropy over a sharded vocab; target
-ids at or past ``real_size``; a sharded vocab without a TP group; any input the op rejects.
+vocab shard only. Declined (unavailable, with the reason): no context; a ``log_prob_keep_mask`` (top-p
+replay renormalizes over kept tokens, which the fused kernel does not); a per-row temperature tensor;
+entropy over a sharded vocab; target ids at or past ``real_size``; a sharded vocab without a TP group;
+any input the op rejects.
 ``temperature = None`` means no temperature (1.0), as on the fork's native path.
 """
 
