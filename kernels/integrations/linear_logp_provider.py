@@ -4,10 +4,10 @@ The fork (``vime/backends/megatron_utils/linear_logp_provider.py``) loads the pr
 (``pkg.module.callable``) and calls it with one ``LinearLogpRequest`` from its ``compute_linear_logp``;
 ``provide`` reads that request by attribute (the field names below are the fork's):
 
-* ``logits [T, V_local]`` (already divided by the temperature; the fork keeps them for its native path),
-  ``target_ids [T]``, ``tensor_parallel_group``, ``token_layout``, ``with_entropy``, ``with_entropy_grad``,
-  ``chunk_size``, ``log_prob_keep_mask [T, V_local] | None``, ``temperature float | Tensor | None``,
-  ``metadata``;
+* ``logits [T, V_local]``: the LM head's raw output (not divided by the temperature; the fork keeps them
+  for its native path, which divides by the temperature itself), ``target_ids [T]``,
+  ``tensor_parallel_group``, ``token_layout``, ``with_entropy``, ``with_entropy_grad``, ``chunk_size``,
+  ``log_prob_keep_mask [T, V_local] | None``, ``temperature float | Tensor | None``, ``metadata``;
 * ``context``: ``hidden [T, H]``, ``projection.weight [V_local, H]`` / ``.bias``, ``vocab_partition``
   ``(local_start, local_size, real_size, padded_size)``.
 
@@ -21,11 +21,12 @@ carries none.
 Served: the log-prob of every row through the public ``linear_logp`` op (:mod:`kernels.dispatch`:
 ``VIME_RL_KERNEL``, the backend switch, strict mode and the fallback counters apply; ``backend_id`` names
 the backend that computed it). Rows are independent, so every token layout is served. With
-``with_entropy`` the entropy comes from the request's logits (fp32 softmax, what vime's native path
-computes; autograd only with ``with_entropy_grad``), on one vocab shard only. Declined (unavailable,
-with the reason): no context; a ``log_prob_keep_mask`` (top-p replay renormalizes over kept tokens,
-which the fused kernel does not); a per-row temperature tensor; entropy over a sharded vocab; target
-ids at or past ``real_size``; a sharded vocab without a TP group; any input the op rejects.
+``with_entropy`` the entropy comes from the request's logits divided by the temperature (fp32 softmax of
+``logits / T``, what vime's native path computes; autograd only with ``with_entropy_grad``), on one
+vocab shard only. Declined (unavailable, with the reason): no context; a ``log_prob_keep_mask`` (top-p
+replay renormalizes over kept tokens, which the fused kernel does not); a per-row temperature tensor;
+entropy over a sharded vocab; target ids at or past ``real_size``; a sharded vocab without a TP group;
+any input the op rejects.
 ``temperature = None`` means no temperature (1.0), as on the fork's native path.
 """
 
@@ -89,10 +90,15 @@ def _tp_world(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def _entropy(logits: torch.Tensor, with_grad: bool) -> torch.Tensor:
-    """Entropy of softmax(logits) per row, fp32: ``logsumexp(z) - sum_v softmax(z)_v z_v``."""
+def _entropy(logits: torch.Tensor, temperature: float, with_grad: bool) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per row, fp32: ``-sum_v p_v log p_v``.
+
+    The fork's request carries the LM head's raw logits; its native path divides them by the rollout
+    temperature (only where it is not 1) before the softmax, and so does this."""
     with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
         z = logits.float()
+        if temperature != 1.0:
+            z = z / temperature
         log_p = torch.log_softmax(z, dim=-1)
         return -(log_p.exp() * log_p).sum(dim=-1)
 
@@ -148,11 +154,12 @@ def provide(request: Any) -> LinearLogpResult:
     backend, impl = dispatch.select("linear_logp", **call.case())  # the public op's dispatch
     backend_id = f"{backend.id}/{backend.version}"
     logp = impl(call).unsqueeze(-1)
-    entropy = _entropy(request.logits, bool(request.with_entropy_grad)) if request.with_entropy else None
+    entropy = (_entropy(request.logits, facts["temperature"], bool(request.with_entropy_grad))
+               if request.with_entropy else None)
     provenance = {
         "op": "linear_logp",
         "implementation": f"kernels.linear_logp on {backend_id} (fp32 accumulation)",
-        "entropy": "fp32 softmax of the request's logits" if request.with_entropy else None,
+        "entropy": "fp32 softmax of the request's logits / temperature" if request.with_entropy else None,
         "torch": torch.__version__,
         "device": str(call.hidden.device),
         "dtype": str(call.hidden.dtype).replace("torch.", ""),

@@ -67,6 +67,11 @@ class ArmLayout:
     spec_file: str  # the spec the arms read, written by the runner before they start
 
 
+# The `ArmReading.info` key under which an engine that parses an arm's log records the lines it could
+# not read: {"count": n, "first": [description, ...]} (ab_result.json repeats it per arm).
+UNREADABLE_LINES = "unreadable_lines"
+
+
 @dataclass
 class ArmReading:
     """What an engine read back from one arm (also from a failed one: a partial series)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.arms import ArmCommand
-from pytest_rlk.e2e.engine import ArmReading, RunContext, resolve_options
+from pytest_rlk.e2e.engine import UNREADABLE_LINES, ArmReading, RunContext, resolve_options
 from pytest_rlk.e2e.engines import get_engine
 from pytest_rlk.e2e.gates import LaneVerdict, PairVerdict, gate_lane
 from pytest_rlk.e2e.launcher import ARM_LOG, ArmResult, command_lines
@@ -199,6 +199,8 @@ def write_result(run: ABRun) -> None:
         "case": run.spec.case, "engine": run.spec.engine, "platform": run.platform, "passed": run.passed,
         "lanes": {v.lane: {"verdict": v.verdict, "failures": v.failures()} for v in lanes},
         "failures": [f.splitlines()[0] for f in run.failures],
+        UNREADABLE_LINES: {f"{lane}/{key}": o.info[UNREADABLE_LINES] for (lane, key), o in run.arms.items()
+                           if UNREADABLE_LINES in o.info},
         "report": str(run.report.markdown) if run.report else None, "wall_s": run.wall_s,
     }, indent=1))
 

@@ -87,7 +87,11 @@ def test_run_dying_midway_keeps_artifacts_and_fails_clearly(vime_root, tmp_path)
     assert not run.passed
     partial = json.loads((out / "replay" / "kernels" / "series.json").read_text())
     assert partial["status"] == "failed" and len(partial["series"][m.RAW_REWARD]) == 3
-    assert partial["info"]["malformed_lines"] == 6
+    assert partial["info"]["unreadable_lines"]["count"] == 6
+    assert len(partial["info"]["unreadable_lines"]["first"]) == 3
+    result = json.loads((out / "ab_result.json").read_text())
+    assert result["unreadable_lines"]["replay/kernels"]["count"] == 6
+    assert "Unreadable vime log lines:" in run.report.markdown.read_text()
     assert run.report.markdown.exists() and "failed" in run.report.markdown.read_text()
 
 

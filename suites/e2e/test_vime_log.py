@@ -130,3 +130,22 @@ def test_async_prefix_and_critic_steps():
 def test_train_steps_average_within_their_rollout():
     lines = [f"step {i}: {{'train/loss': {float(i)}}}" for i in range(4)]
     assert parse_vime_lines(lines).series(steps_per_rollout=2)[m.LOSS] == [0.5, 2.5]
+
+
+def test_a_line_that_starts_like_a_metric_line_but_cannot_be_read_is_reported(fixtures_dir):
+    """vime's real format with one line that announces `step 1` metrics but is no `step 1: {...}` line:
+    the rest is read, the line is reported (count and the first few), strict parsing fails on it."""
+    path = fixtures_dir / "vime_30b_a3b_unreadable.log"
+    log = parse_vime_log(path)
+    assert log.series()[m.FALLBACK_COUNT] == [0.0, 0.0, 0.0]  # every real metric line still read
+    unreadable = log.unreadable()
+    assert unreadable["count"] == 1 and len(unreadable["first"]) == 1
+    assert "step 1: starts like a metric line" in unreadable["first"][0] and "<object object" in unreadable["first"][0]
+    with pytest.raises(VimeLogError, match=r"vime_30b_a3b_unreadable.log: line 13: step 1: starts like a metric line"):
+        parse_vime_log(path, strict=True)
+
+
+def test_unreadable_lines_are_all_counted_and_the_first_few_quoted():
+    lines = [f"step {i} note: {{'x': <object at 0x7f>}}" for i in range(5)] + ["step 9 finished without metrics"]
+    unreadable = parse_vime_lines(lines).unreadable()
+    assert unreadable["count"] == 5 and len(unreadable["first"]) == 3  # a line without a dict announces none

@@ -10,6 +10,7 @@ The conformance suite (suites/module/vime/) checks the same plans through vime's
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,4 +46,19 @@ def test_a_kernel_switch_that_changes_the_loss_path_is_rejected(flag):
     raw = json.loads(Path(VIME_SPECS[0]).read_text())
     raw["kernel_switch"]["args"] = [flag, "x"]
     with pytest.raises((ValidationError, ValueError), match="both vime arms install the loss hook"):
+        ABSpec.model_validate(raw)
+
+
+@pytest.mark.parametrize("where", ["vime.extra_args", "kernel_switch.args"])
+@pytest.mark.parametrize("args", [["--linear-logp-provider", "kernels.integrations.linear_logp_provider.provide"],
+                                  ["--linear-logp-provider=kernels.integrations.linear_logp_provider.provide"],
+                                  ["--linear-logp-provider-mode", "strict"]], ids=["path", "path=", "mode"])
+def test_the_forks_provider_with_our_custom_loss_is_refused(where, args):
+    """Both arms run --loss-type custom_loss; the fork hands the provider its context only under policy_loss
+    and sft_loss, so the provider would be consulted without it (an "unavailable" line per call handed to
+    vime's loss, read as a kernel fallback). The plan refuses the combination, naming where it came from."""
+    raw = json.loads(Path(VIME_SPECS[0]).read_text())
+    section, key = where.split(".")
+    raw[section][key] = [*raw[section].get(key, []), *args]
+    with pytest.raises((ValidationError, ValueError), match=rf"{re.escape(where)} sets \['--linear-logp-provider"):
         ABSpec.model_validate(raw)

@@ -31,7 +31,7 @@ def _request(**overrides):
     bias = (torch.randn(V, generator=gen) * 0.5).to(DEVICE).requires_grad_()
     ids = torch.randint(0, V, (T,), generator=gen).to(DEVICE)
     temperature = 0.7
-    logits = (hidden @ weight.t() + bias) / temperature
+    logits = hidden @ weight.t() + bias  # the fork hands the LM head's raw output, not divided by T
     request = SimpleNamespace(
         logits=logits, target_ids=ids, tensor_parallel_group=None,
         token_layout=SimpleNamespace(world_size=1, rank=0, layout="single"),
@@ -87,17 +87,28 @@ def test_result_carries_the_forks_fields(triton_strict):
     assert grad_w.abs().sum() > 0, "log-probs must be connected to the LM-head weight"
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 @pytest.mark.parametrize("with_grad", [False, True])
-def test_entropy_from_the_request_logits(with_grad):
-    """The policy-loss pass asks ``with_entropy=True``: entropy [T] of the (temperature-scaled) logits,
+def test_entropy_from_the_request_logits_over_the_temperature(with_grad, temperature):
+    """The policy-loss pass asks ``with_entropy=True``: entropy [T] of softmax(logits / T) (the request's
+    logits are the LM head's raw output; vime's native path divides them by the rollout temperature),
     with autograd exactly when ``with_entropy_grad``."""
-    request = _request(with_entropy=True, with_entropy_grad=with_grad)
+    request = _request(with_entropy=True, with_entropy_grad=with_grad, temperature=temperature)
     result = provider.provide(request)
-    log_p = torch.log_softmax(request.logits.detach().float(), dim=-1)
+    log_p = torch.log_softmax(request.logits.detach().float() / temperature, dim=-1)
     want = -(log_p.exp() * log_p).sum(-1)
     assert result.entropy.shape == (T,)
-    tolerances.assert_close(result.entropy.detach(), want, "linear_logp", torch.float32, name="entropy")
+    tolerances.assert_close(result.entropy.detach(), want, "linear_logp", torch.float32,
+                            name=f"entropy at T={temperature}")
     assert result.entropy.requires_grad is with_grad
+    if with_grad:
+        weight = request.context.projection.weight
+        (got,) = torch.autograd.grad(result.entropy.sum(), [weight])
+        z = (request.context.hidden.detach() @ weight.t() + request.context.projection.bias.detach()) / temperature
+        log_q = torch.log_softmax(z, dim=-1)
+        (expected,) = torch.autograd.grad(-(log_q.exp() * log_q).sum(), [weight])
+        tolerances.assert_close(got, expected, "linear_logp.grad", torch.float32,
+                                name=f"d entropy / d weight at T={temperature}")
 
 
 def test_temperature_none_is_no_temperature():

@@ -13,12 +13,14 @@ commit do not hold that file; the parser only calls ``logging_utils.configure_lo
 vime's ``torch.compile``-decorated helpers (``compute_policy_loss``, ``compute_approx_kl``,
 ``compute_cispo_loss``) run eagerly here: their modules are imported under ``TORCHDYNAMO_DISABLE=1``
 (``conformance.eager_torch_compile``), and only while they are imported.
-Nothing else of vime is stubbed: a module that cannot be imported is an error naming it.
+Nothing else of vime is stubbed. What the tests import and read (vime's modules and their import-time
+closure, the files whose call sites they compile, the specs' model scripts, Megatron-LM's
+``megatron.training`` at the commit vime's ``docker/Dockerfile`` pins, ``six``) is checked at collection
+(``requirements.py``): a test whose pieces are missing skips with one reason naming each of them.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from suites.module.vime import conformance
+from suites.module.vime import conformance, requirements
 
 
 def _root(config, option: str) -> Path | None:
@@ -39,11 +41,36 @@ def _root(config, option: str) -> Path | None:
     return path
 
 
+def _tree_findings(vime_root: Path, fork_root: Path | None) -> dict[str, list[requirements.Missing]]:
+    from pytest_rlk.e2e import spec as spec_mod
+
+    specs = [spec_mod.load_spec(p) for p in spec_mod.matrix_spec_paths()]
+    vime_specs = [s for s in specs if s.engine == "vime"]
+    return requirements.check_tree(
+        vime_root, fork_root=fork_root,
+        model_scripts=[s.settings.model_args_script for s in vime_specs if s.settings.model_args_script],
+        vime_commits=[s.settings.commit for s in vime_specs])
+
+
 def pytest_collection_modifyitems(config, items):
+    """Before any test runs: what the vime root, the fork root and this environment lack, per test (by
+    the fixtures it uses: requirements.NEEDS), as one skip reason naming every missing piece."""
     fork_root = _root(config, "rlk_vime_fork_root")
+    vime_root = _root(config, "rlk_vime_root")
+    findings = None
     for item in items:
         if item.get_closest_marker("vime_fork") is not None and fork_root is None:
             item.add_marker(pytest.mark.skip(reason="needs the RL-Align vime fork (--rlk-vime-fork-root not given)"))
+            continue
+        if vime_root is None or item.get_closest_marker("vime") is None:
+            continue
+        if findings is None:
+            findings = _tree_findings(vime_root, fork_root)
+        fixtures = getattr(item, "fixturenames", ())
+        reason = requirements.skip_reason([m for name in requirements.NEEDS if name in fixtures
+                                           for m in findings[name]])
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
@@ -124,12 +151,12 @@ def parser_stand_ins(vime_root):
     """Install (for the session) only the stand-ins vime's argument parser needs in this environment."""
     stand_ins = ParserStandIns()
     with pytest.MonkeyPatch.context() as mp:
-        if importlib.util.find_spec("vllm") is None:
+        if "vllm" in requirements.stand_ins_needed(vime_root):
             for name, module in _vllm_engine_args_stand_in().items():
                 mp.setitem(sys.modules, name, module)
             stand_ins.vllm_engine_flags_known = False
             stand_ins.labels.append("vllm.engine.arg_utils.AsyncEngineArgs (vLLM not importable)")
-        if not (vime_root / "vime" / "observability" / "wandb_utils.py").is_file():
+        if requirements.WANDB_UTILS_STAND_IN in requirements.stand_ins_needed(vime_root):
             # STAND-IN: vime.observability.wandb_utils, imported at module level by logging_utils;
             # the argument parser calls only logging_utils.configure_logger.
             stand_ins.preload["vime.observability.wandb_utils"] = types.ModuleType("vime.observability.wandb_utils")

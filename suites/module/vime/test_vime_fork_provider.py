@@ -47,10 +47,13 @@ def native(vime_root):
     return module.calculate_log_probs_and_entropy
 
 
-def _request(fork, *, with_entropy: bool, keep_mask: bool = False, seed: int = 0):
+def _request(fork, *, with_entropy: bool, keep_mask: bool = False, seed: int = 0, temperature: float = 1.0,
+             with_entropy_grad: bool = False):
+    """The request the fork builds: ``logits`` are the LM head's raw output (the fork divides by the
+    temperature only inside its native function), ``temperature`` the rollout temperature."""
     g = torch.Generator().manual_seed(seed)
     T, H, V, real = 6, 16, 40, 37
-    hidden = torch.randn(T, H, generator=g)
+    hidden = torch.randn(T, H, generator=g).requires_grad_(True)
     weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_(True)
     logits = hidden @ weight.t()
     ids = torch.randint(0, real, (T,), generator=g)
@@ -61,12 +64,20 @@ def _request(fork, *, with_entropy: bool, keep_mask: bool = False, seed: int = 0
     request = fork.LinearLogpRequest(
         logits=logits, target_ids=ids, tensor_parallel_group=None,
         token_layout=fork.TokenLayout(world_size=1, rank=0, layout="single"),
-        with_entropy=with_entropy, with_entropy_grad=False, chunk_size=-1, log_prob_keep_mask=mask,
+        with_entropy=with_entropy, with_entropy_grad=with_entropy_grad, chunk_size=-1, log_prob_keep_mask=mask,
         context=fork.LinearLogpContext(hidden=hidden, projection=fork.LinearProjection(weight=weight),
                                        vocab_partition=fork.VocabPartition(0, V, real, V)),
-        temperature=1.0,
+        temperature=temperature,
     )
     return request
+
+
+def _native_at(native, temperature: float):
+    """The fork's native function at a rollout temperature: the raw logits divided by it (where it is not
+    1, as vime's ``get_responses`` does) into vime's ``calculate_log_probs_and_entropy``."""
+    def fork_native(logits, *args, **kwargs):
+        return native(logits.div(temperature) if temperature != 1.0 else logits, *args, **kwargs)
+    return fork_native
 
 
 def _args(mode: str) -> Namespace:
@@ -126,3 +137,57 @@ def test_unservable_request_signals_unavailable(fork, native, monkeypatch):
                             name="auto fallback logp")
     with pytest.raises(RuntimeError, match="is unavailable"):
         fork.compute_linear_logp(args=_args("strict"), request=request, native=native)
+
+
+@pytest.fixture
+def kernels_env(monkeypatch):
+    """Our provider as a user runs it, whatever the caller's environment: the kernels on, no strict mode."""
+    for name in ("VIME_RL_KERNEL_OPS", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VIME_RL_KERNEL", "1")
+
+
+@pytest.mark.parametrize("mode", ["auto", "strict"])
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logp", "logp+entropy"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_provider_equals_the_forks_native_at_every_temperature(fork, native, kernels_env, temperature,
+                                                                 with_entropy, mode):
+    """Through ``compute_linear_logp`` at a rollout temperature: our log-probs, entropy and their
+    gradients (hidden states and LM-head weight) equal the fork's native result on the same request."""
+    def run(provider: str | None):
+        request = _request(fork, with_entropy=with_entropy, with_entropy_grad=with_entropy,
+                           temperature=temperature)
+        args = Namespace(linear_logp_provider=provider, linear_logp_provider_mode=mode)
+        logp, entropy = fork.compute_linear_logp(args=args, request=request, native=_native_at(native, temperature))
+        objective = logp.sum() + (entropy.sum() if with_entropy else 0.0)
+        ctx = request.context
+        grads = torch.autograd.grad(objective, [ctx.hidden, ctx.projection.weight])
+        return logp.detach(), None if entropy is None else entropy.detach(), grads
+
+    got_logp, got_entropy, got_grads = run(cf.OUR_PROVIDER)
+    want_logp, want_entropy, want_grads = run(None)  # unconfigured: the fork's native path
+    where = f"T={temperature}, {mode}"
+    tolerances.assert_close(got_logp, want_logp, "linear_logp", torch.float32, name=f"logp ({where})")
+    if with_entropy:
+        tolerances.assert_close(got_entropy, want_entropy, "linear_logp", torch.float32, name=f"entropy ({where})")
+    else:
+        assert got_entropy is None and want_entropy is None
+    for name, got, want in zip(("hidden", "weight"), got_grads, want_grads, strict=True):
+        tolerances.assert_close(got, want, "linear_logp.grad", torch.float32, name=f"d objective / d {name} ({where})")
+
+
+def test_provider_consulted_without_its_context_reads_as_a_fallback(fork, native, caplog):
+    """What the fork does under ``--loss-type custom_loss``: its ``loss_function`` passes the provider's
+    context only to policy_loss and sft_loss, so the request our custom loss's hand-off to vime's loss
+    reaches the provider with carries none. The provider declines, the fork logs its unavailable WARNING,
+    and the log parser counts that line as a kernel fallback: why the plan refuses the provider together
+    with our custom loss (``test_vime_plans.py::test_the_forks_provider_with_our_custom_loss_is_refused``)."""
+    from pytest_rlk.e2e.engines.vime.log import parse_vime_lines
+
+    request = fork.LinearLogpRequest(**{**_request(fork, with_entropy=False).__dict__, "context": None})
+    with caplog.at_level("WARNING", logger=fork.__name__):
+        logp, _ = fork.compute_linear_logp(args=_args("auto"), request=request, native=native)
+    expected, _ = native(request.logits, request.target_ids, None, with_entropy=False, chunk_size=-1)
+    tolerances.assert_close(logp.detach(), expected.detach(), "linear_logp", torch.float32, name="native logp")
+    lines = [f"[2026-11-20 03:12:10] loss.py:1 - {r.getMessage()}" for r in caplog.records if r.name == fork.__name__]
+    assert len(parse_vime_lines(lines).fallback_lines) == 1, lines

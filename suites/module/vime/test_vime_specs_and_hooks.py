@@ -152,9 +152,14 @@ def _init_hook_call_site(vime_root) -> cf.SourceStatement:
         lambda n: isinstance(n, ast.If) and "custom_megatron_init_path" in ast.unparse(n.test))
 
 
-def test_init_hook_through_vimes_call_site(vime_root, reference_arm, caplog):
+@pytest.fixture
+def init_call_site(vime_root) -> cf.SourceStatement:
     cf.use_vime_root(vime_root, "vime.utils.misc")  # the call site imports vime's load_function
-    call_site = _init_hook_call_site(vime_root)
+    return _init_hook_call_site(vime_root)
+
+
+def test_init_hook_through_vimes_call_site(init_call_site, reference_arm, caplog):
+    call_site = init_call_site
     args = Namespace(**vars(cf.vime_args()), custom_megatron_init_path=cf.OUR_INIT_HOOK)
     with caplog.at_level(logging.INFO, logger=adapter.log.name):
         exec(call_site.code, {}, {"args": args})  # noqa: S102 - the checkout's own statement

@@ -21,6 +21,7 @@ from pytest_rlk.e2e.engine import (
     EngineOption,
     ReportExtras,
     RunContext,
+    UNREADABLE_LINES,
     StepProgress,
 )
 from pytest_rlk.e2e.engines.vime import commands
@@ -143,7 +144,7 @@ class VimeEngine:
         except VimeLogError as exc:
             reading.problems.append(f"{command.label}: unusable metrics in {result.log_path}: {exc}")
         if log.malformed:
-            reading.problems.append(f"{command.label}: {len(log.malformed)} malformed metric lines in "
+            reading.problems.append(f"{command.label}: {len(log.malformed)} unreadable metric lines in "
                                     f"{result.log_path} (first: {log.malformed[0].describe()})")
         tb_dir = Path(command.output_env.get("TENSORBOARD_DIR", arm_dir / "tensorboard"))
         try:
@@ -160,7 +161,7 @@ class VimeEngine:
                 reading.notes += [f"{command.label}: {n}" for n in notes]
             reading.notes += tb.truncated
         reading.fallback_events = len(log.fallback_lines)
-        reading.info = {"malformed_lines": len(log.malformed), "fallback_log_lines": log.fallback_lines,
+        reading.info = {UNREADABLE_LINES: log.unreadable(), "fallback_log_lines": log.fallback_lines,
                         "provider_active_lines": log.provider_active_lines}
         return reading
 
@@ -181,5 +182,15 @@ class VimeEngine:
             hardware=f"{hw.gpus}x {hw.platform}, {hw.nodes} node",
             setup_commands=[f"# {ctx.launch.mode} mode: each arm below lists its Ray head command (ray mode) and "
                             "the launch command; the arm log starts with the exact command it ran"],
-            notes=[f"python: {ctx.python}"],
+            notes=[f"python: {ctx.python}", _unreadable_note(readings)],
         )
+
+
+def _unreadable_note(readings: Mapping[ArmRole, ArmReading]) -> str:
+    """One line: each arm's count of unreadable log lines and the first of them."""
+    parts = []
+    for role, reading in readings.items():
+        unreadable = reading.info.get(UNREADABLE_LINES) or {"count": 0, "first": []}
+        first = f" (first: {unreadable['first'][0]})" if unreadable["first"] else ""
+        parts.append(f"{role} {unreadable['count']}{first}")
+    return "Unreadable vime log lines: " + "; ".join(parts) + "."

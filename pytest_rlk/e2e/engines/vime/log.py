@@ -18,8 +18,11 @@ on) and between lanes: `series` keeps a metric missing at some rollouts as NaN g
 them, and `missing_lines` lists the expected lines that never came. Whether a gap matters is the
 gate's business (a gated metric's gap is a problem of the arm; the engine decides).
 
-A line that announces a metric dict but cannot be read is kept as a `MalformedLine` (never
-silently dropped); `parse_vime_log(..., strict=True)` raises on the first one instead.
+A line that cannot be read is kept as a `MalformedLine` (never silently dropped): a `KIND N: ...` line
+whose dict does not parse, and a line that starts like one (`KIND N` behind the prefixes) and carries a
+dict but is not of the form `KIND N: {...}` (e.g. `step 1 warning: ... {'x': <object at 0x7f>}`).
+`VimeLog.unreadable()` gives their count and the first few; `parse_vime_log(..., strict=True)` raises
+on the first one instead.
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ _RAY_PREFIX = re.compile(r"^\s*\([A-Za-z_][\w.:-]*(?: pid=\d+)?(?:, ip=[\w.:-]+)
 _RAY_REPEAT = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 _LOG_PREFIX = re.compile(r"^\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?: [^\]]*)?\]\s+[\w./-]+:\d+\s+-\s+")
 _METRIC_LINE = re.compile(r"^(rollout|step|critic-step|perf|eval) (-?\d+): (.*)$")
+# Starts like a metric line and carries a dict, whatever comes between: announces metrics it may not hold.
+_METRIC_LIKE = re.compile(r"^(rollout|step|critic-step|perf|eval) (-?\d+)\b.*\{")
+# How many unreadable lines `VimeLog.unreadable` quotes (the count covers all of them).
+UNREADABLE_QUOTED = 3
 _NUMPY_SCALARS = frozenset({"float64", "float32", "float16", "int64", "int32", "bool_"})
 KINDS: tuple[str, ...] = ("rollout", "step", "critic-step", "perf", "eval")
 # Keys that identify each perf line of a rollout (the two lines merge by key).
@@ -112,6 +119,10 @@ class VimeLog:
     fallback_lines: list[str] = field(default_factory=list)
     provider_active_lines: list[str] = field(default_factory=list)
     lines_read: int = 0
+
+    def unreadable(self, first: int = UNREADABLE_QUOTED) -> dict:
+        """Every line that could not be read: ``{"count": n, "first": [line N: reason: text, ...]}``."""
+        return {"count": len(self.malformed), "first": [bad.describe() for bad in self.malformed[:first]]}
 
     @property
     def rollout_ids(self) -> list[int]:
@@ -294,6 +305,13 @@ def parse_vime_lines(lines: Iterable[str], *, strict: bool = False) -> VimeLog:
             log.provider_active_lines.append(line)
         match = _METRIC_LINE.match(line)
         if not match:
+            like = _METRIC_LIKE.match(line)
+            if like:
+                bad = MalformedLine(lineno, raw.rstrip("\r\n"), f"{like.group(1)} {like.group(2)}: starts like a metric "
+                                    f"line but is not of the form '{like.group(1)} N: {{...}}'")
+                if strict:
+                    raise VimeLogError(bad.describe())
+                log.malformed.append(bad)
             continue
         kind, index, body = match.group(1), int(match.group(2)), match.group(3)
         try:

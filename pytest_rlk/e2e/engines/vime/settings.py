@@ -19,6 +19,11 @@ LOSS_HOOK_ARGS = (
     "--custom-megatron-init-path", "kernels.integrations.vime.init_hook",
 )
 LOSS_PATH_FLAGS = frozenset({"--loss-type", "--custom-loss-function-path", "--custom-megatron-init-path"})
+# The fork's provider flags. Its loss_function hands the provider's context (hidden states, LM head)
+# only to --loss-type policy_loss and sft_loss: under custom_loss (both arms) every call our loss hands
+# to vime's loss consults the provider without one, which logs "unavailable" (a fallback line) and
+# serves nothing. The combination is refused; our custom loss computes the kernel arm's log-probs.
+PROVIDER_FLAGS = frozenset({"--linear-logp-provider", "--linear-logp-provider-mode"})
 
 
 class VimeSettings(EngineSettings):
@@ -58,6 +63,17 @@ class VimeSettings(EngineSettings):
                 f"kernel_switch.args sets {switched}: both vime arms install the loss hook (the engine adds "
                 f"{' '.join(LOSS_HOOK_ARGS)}); the kernel switch is the environment (VIME_RL_KERNEL=1)"
             )
+        for where, args in (("vime.extra_args", self.extra_args), ("kernel_switch.args", spec.kernel_switch.args)):
+            provider = sorted({a.split("=", 1)[0] for a in args} & PROVIDER_FLAGS)
+            if provider:
+                raise ValueError(
+                    f"{where} sets {provider}, but both vime arms run --loss-type custom_loss (our loss, which "
+                    "computes the log-probs itself): the fork's loss_function passes the linear_logp provider "
+                    "its context only under --loss-type policy_loss or sft_loss, so every call our loss hands "
+                    "to vime's native loss would consult the provider without one and log 'linear_logp "
+                    "provider ... is unavailable' (counted as a kernel fallback). Remove the provider flags "
+                    "from the spec"
+                )
         par, hw = spec.parallelism, spec.hardware
         actor_gpus = par.actor_num_gpus_per_node * hw.nodes
         used = actor_gpus if par.colocate else actor_gpus + par.rollout_num_gpus
