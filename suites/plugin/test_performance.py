@@ -88,7 +88,7 @@ def test_collect_and_rows_follow_the_bench_convention():
     assert cases[2].host_path == "c++" and cases[2].variant == ""  # a measurement tag, not a variant
     headers, rows = roofline_rows(cases)
     assert headers[-4:] == ["liger ms", "vs liger", "torch_compile ms", "vs torch_compile"]
-    by_impl = {(r[0], r[5]): dict(zip(headers, r)) for r in rows}
+    by_impl = {(r[0], r[6]): dict(zip(headers, r)) for r in rows}
     assert set(by_impl) == {("logp", "rlk"), ("grpo_loss", "rlk"), ("grpo_loss", "rlk_inplace")}
     grpo = by_impl[("grpo_loss", "rlk")]
     assert grpo["ms"] == "1.8" and grpo["of limit"] == "91.7%" and grpo["peak extra"] == "2.49 GB"
@@ -122,13 +122,37 @@ def test_ratio_kl_layout_two_passes_in_one_test():
     assert [dict(zip(headers, r))["vs torch_compile"] for r in rows] == ["1.07x", "-"]
 
 
+def test_a_matmul_bound_case_is_set_against_cublas_product_of_the_same_run():
+    """linear_logp: its products' TFLOP/s against cuBLAS's own product timed in the same rounds,
+    not its bytes against the HBM limit (3.9% of it, which says nothing about a matmul-bound op)."""
+    rec = MetricRecorder("suites/op/bench_linear_logp.py::test_linear_logp_speed_vs_peers[fwd]", tier="op",
+                         artifact_root=None)
+    tags = {"op": "linear_logp", "pass": "fwd", "dtype": "bf16", "shape": "4096x4096x151936", "logits": "kept"}
+    rec.record("hbm_limit_ms", 0.31, unit="ms", direction="two_sided", space="time", tags=tags, gate=False)
+    _bench(rec, "rlk", 8.0, 0.31, tags, 0.0)
+    rec.record("rlk_tflops", 640.0, unit="TFLOP/s", direction="higher_is_better", space="ratio", gate=False,
+               tags={**tags, "impl": "rlk", "products": "1.00"})
+    rec.record("cublas_mm_tflops", 680.0, unit="TFLOP/s", direction="higher_is_better", space="ratio", gate=False,
+               tags={**tags, "impl": "cublas_mm", "products": "1.00"})
+    run = synthetic_run().model_copy(update={"tests": [_test_record(rec)]})
+    (case,) = collect(run)
+    assert case.bound == "matmul" and case.matmul_tflops == 680.0
+    headers, rows = roofline_rows([case])
+    row = dict(zip(headers, rows[0]))
+    assert row["bound"] == "matmul" and row["HBM limit ms"] == "-"
+    assert row["of limit"] == "640 TFLOP/s = 94.1% of cuBLAS"
+    logp = collect(synthetic_run())[0]
+    headers, rows = roofline_rows([logp])
+    assert logp.bound == "HBM" and dict(zip(headers, rows[0]))["of limit"] == "96.5%"
+
+
 def test_report_has_the_table_and_a_bar_chart(tmp_path):
     run_dir = tmp_path / "runs" / "r1"
     storage.write_run(run_dir, synthetic_run())
     assert cli.main(["report", str(run_dir)]) == 0
     report = (run_dir / "report" / "report.md").read_text()
     assert "## Performance (roofline)" in report
-    assert "| logp | fwd | 8192x151936 | bf16 | - | rlk | 0.85 | 0.82 | 96.5% | - | - | 1.02 kB | - | 0.86 | 1.01x | 1.73 | 2.04x |" in report
+    assert "| logp | fwd | 8192x151936 | bf16 | - | HBM | rlk | 0.85 | 0.82 | 96.5% | - | - | 1.02 kB | - | 0.86 | 1.01x | 1.73 | 2.04x |" in report
     assert "| logp | fwd | 1x151936 | bf16 | rlk | 0.012 | 14.5 | 21.2 | c++ |" in report
     png = run_dir / "report" / "performance_ms.png"
     assert "performance_ms.png" in report and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -155,7 +179,7 @@ def test_performance_doc_sections_per_platform_are_replaced_not_duplicated(tmp_p
     h100 = text.split("rlk-performance:begin platform=h100")[1].split("rlk-performance:end platform=h100")[0]
     assert GENERATED_NOTE in h100 and GPU in h100
     assert "command: `pytest suites/op -m bench`" in h100 and "2026-11-22T00:00:00Z" in h100
-    assert "| grpo_loss | fwd+bwd | 8192x151936 | bf16 | - | rlk_inplace |" in h100
+    assert "| grpo_loss | fwd+bwd | 8192x151936 | bf16 | - | HBM | rlk_inplace |" in h100
     assert "20261122T010000Z-h200" in text.split("rlk-performance:begin platform=h200")[1]
 
 
