@@ -19,7 +19,7 @@ def _fmt(x: float) -> str:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     runs = []
-    for arg in args.runs:
+    for arg in args.recommend_runs:
         path = storage.resolve_run_file(arg, args.artifacts)
         runs.append((path, storage.load_run(path)))
     try:
@@ -76,7 +76,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     rec = cmds.add_parser("recommend", help=f"per metric mean, sd, min, max and a band from >= "
                           f"{NOISE_RULE.min_runs} runs of the same cases on one platform; written into the baselines")
-    rec.add_argument("runs", nargs="+", metavar="RUN", help="run dirs, run.json files or run ids")
+    rec.add_argument("recommend_runs", nargs="+", metavar="RUN", help="run dirs, run.json files or run ids")
     rec.add_argument("--baselines", type=Path, default=Path("baselines"), help="default: baselines/")
     rec.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
     rec.set_defaults(func=cmd_recommend)
