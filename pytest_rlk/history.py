@@ -127,11 +127,13 @@ def _trusted_tests(path: Path, run: RunRecord) -> dict[tuple[str, str, str], Tes
     for test in run.tests:
         if not any(m.gate for m in test.metrics):
             continue
-        if test.outcome != "passed" and not (test.outcome == "failed" and (test.failure or "").startswith(GATE_FAILURE)):
+        gate_only = test.outcome == "failed" and (test.failure or "").startswith(GATE_FAILURE)
+        if test.outcome != "passed" and not gate_only:
+            why = (test.failure or "no message").splitlines()[0]
             raise HistoryError(
-                f"run {run.manifest.run_id}: test {test.nodeid} {test.outcome} ({(test.failure or '').splitlines()[0] if test.failure else 'no message'}); "
-                "only a test that passed, or failed by its rlk gate alone, measures its case's noise: "
-                "leave this run out or rerun it")
+                f"run {run.manifest.run_id}: test {test.nodeid} {test.outcome} ({why}); only a test that "
+                "passed, or failed by its rlk gate alone, measures its case's noise: leave this run out "
+                "or rerun it")
         tests[(test.tier or UNTIERED, test.gated_platform(platform), test.case)] = test
     return tests
 

@@ -78,14 +78,16 @@ def cmd_prove(args: argparse.Namespace) -> int:
               f"{_margin(result.margin)}")
     for line in table(rows):
         print(line)
-    problems = [f"{r.fault.name}={r.size:g} not caught by {GATES.get(r.tier, r.tier)} (margin {_margin(r.result.margin)})"
+    problems = [f"{r.fault.name}={r.size:g} not caught by {GATES.get(r.tier, r.tier)} "
+                f"(margin {_margin(r.result.margin)})"
                 for r in rows if r.nominal and r.result is not None and not r.result.caught]
     served = {r.fault.family for r in rows if r.result is not None}
     caught = {r.fault.family for r in rows if r.result is not None and r.result.caught}
     if not args.fault:
         problems += [f"gate family {fam} ({FAMILIES[fam]}): no fault caught" for fam in sorted(served - caught)]
+    unserved = [f for f in FAMILIES if f not in served]
     print(f"families proven: {', '.join(f for f in FAMILIES if f in caught) or 'none'}"
-          + (f"; not served here: {', '.join(f for f in FAMILIES if f not in served)}" if set(FAMILIES) - served else ""))
+          + (f"; not served here: {', '.join(unserved)}" if unserved else ""))
     if args.graded:
         print("smallest detectable effect (smallest size caught):")
         for (name, tier), size in sorted(smallest_caught(rows).items()):
@@ -96,12 +98,14 @@ def cmd_prove(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prove", help="inject each registered fault into real tests: which gates catch it, by what margin")
+    p = sub.add_parser("prove", help="inject each registered fault into real tests: which gates catch it, "
+                                     "by what margin")
     p.add_argument("--tier", default=DEFAULT_TIERS,
                    help=f"case tiers, comma-separated (default {DEFAULT_TIERS}; op-gpu: the GPU benchmarks' "
                         "time and memory gates)")
     p.add_argument("--fault", action="append", metavar="NAME", help="only this fault (repeatable); default: all")
-    p.add_argument("--size", type=float, default=None, help="with --fault: run it at this size instead of its nominal one")
+    p.add_argument("--size", type=float, default=None,
+                   help="with --fault: run it at this size instead of its nominal one")
     p.add_argument("--graded", action="store_true", help="also each fault's ladder of sizes: the smallest caught")
     p.add_argument("--root", type=Path, default=None, help="the checkout whose suites/ run (default: this one)")
     p.add_argument("--keep", type=Path, default=None, help="write the runs' artifacts here (default: a temp dir)")

@@ -111,7 +111,8 @@ def judge(run: RunRecord, tier: str, nodeids: Sequence[str], *, clean: bool = Fa
         margin = None  # failed by an assertion or an exception beside the recorded errors
     detail = ""
     if failed:
-        detail = f"{failed[0].nodeid.split('::')[-1]}: {(failed[0].failure or '').splitlines()[0][:90] if failed[0].failure else ''}"
+        first = (failed[0].failure or "").splitlines()
+        detail = f"{failed[0].nodeid.split('::')[-1]}: {first[0][:90] if first else ''}"
     return TierResult(tier, bool(failed), margin, [t.nodeid for t in failed], detail)
 
 
