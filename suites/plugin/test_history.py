@@ -19,6 +19,7 @@ from pytest_rlk.compare import compare_to_baseline, shadow_reason
 from pytest_rlk.history import HistoryError, case_history, distrust, recommend, write_recommendations
 from pytest_rlk.schema import (
     BASELINE_SCHEMA_VERSION,
+    Band,
     MetricRecord,
     PlatformInfo,
     RunManifest,
@@ -193,3 +194,30 @@ def test_update_baselines_writes_a_one_run_history_that_gates(rlk_pytester, monk
     result.assert_outcomes(failed=1)
     assert [c.verdict for c in storage.load_run(storage.resolve_run_file(
         "latest", rlk_pytester.path / ".rlk" / "runs")).tests[0].gate.comparisons] == [Verdict.REGRESSION]
+
+
+def test_a_failed_mode_rewrite_keeps_the_history_of_the_metrics_it_keeps():
+    from pytest_rlk.history import one_run_history
+
+    [rec] = [r for r in recommend(THREE, Path("unused")) if r.case == "a"]
+    old = rec.baseline
+    kept = old.metrics["step_ms"]
+    fresh = kept.model_copy(update={"ref": 2.0, "band": Band(rel=0.15)})
+    prov = {"run_id": "r9", "created_utc": "2026-12-09T00:00:00Z", "suite_commit": "c9"}
+    hist = one_run_history(prov, {"step_ms": kept, "new_ms": fresh}, old)
+    assert list(hist.metrics["step_ms"].values) == ["r1", "r2", "r3"]
+    assert hist.metrics["new_ms"].values == {"r9": 2.0}
+    assert [r.run_id for r in hist.runs] == ["r1", "r2", "r3", "r9"]
+
+
+def test_the_report_verdict_of_a_shadow_case_passes_unless_a_value_is_not_finite():
+    from pytest_rlk.report import verdict_of
+    from pytest_rlk.schema import GateResult, MetricComparison
+
+    regression = MetricComparison(name="m", baseline=1.0, new=2.0, verdict=Verdict.REGRESSION, detail="worse")
+    _, run = make_run("r", {"a": 1.0})
+    run.tests[0].gate = GateResult(case="a", comparisons=[regression], shadow="bands rest on 2 trusted runs")
+    assert verdict_of(run)[0] == "PASS"
+    run.tests[0].gate.comparisons.append(MetricComparison(name="n", baseline=1.0, new=None, verdict=Verdict.REGRESSION,
+                                                          detail="value is not finite (nan)"))
+    assert verdict_of(run)[0] == "FAIL"
