@@ -5,6 +5,8 @@ operator's tolerance as ``abs_floor``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pytest_rlk.schema import Band, Window
 
 DEFAULT_BANDS: dict[str, Band] = {
@@ -68,3 +70,36 @@ def default_band(name: str, space: str) -> Band:
 
 def default_window(space: str) -> Window:
     return _DEFAULT_WINDOWS.get(space, Window())
+
+
+# -- bands recommended from measured noise (pytest_rlk.history, `rlk baselines recommend`) ---------
+
+@dataclass(frozen=True)
+class NoiseRule:
+    """The band recommended from a metric's trusted runs: around their mean,
+    ``width = max(k * sd, rel * |mean|, abs_floor)``, ``abs_floor`` the metric's stated floor (its
+    tolerance; 0 for a time).
+
+    - ``k = 4``: Megatron's ``compute_golden_statistics --recommend-tolerances`` derives a band
+      from N repeated runs' spread; with n = 3 runs every value lies within 1.16 sample sd of the
+      mean ((n - 1) / sqrt(n)), so 4 sd covers the runs seen and leaves room for the ones not seen.
+    - ``rel = 0.05``: SkyRL's e2e bands, the min/max of its last 10 CI runs +-5%: a floor for
+      metrics whose few runs happened to agree.
+    - ``min_runs = 3``: fewer runs give no spread worth the name; a case whose band rests on fewer
+      gates in shadow mode (miles: new cases start in shadow mode).
+    - ``keep = 10``: the history keeps each metric's last 10 trusted values (SkyRL's window).
+    """
+
+    k: float = 4.0
+    rel: float = 0.05
+    min_runs: int = 3
+    keep: int = 10
+
+    def width(self, mean: float, sd: float, abs_floor: float) -> float:
+        return max(self.k * sd, self.rel * abs(mean), abs_floor)
+
+    def describe(self) -> str:
+        return f"max({self.k:g}*sd, {self.rel:g}*|mean|, stated abs_floor)"
+
+
+NOISE_RULE = NoiseRule()

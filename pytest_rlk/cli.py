@@ -20,13 +20,15 @@ from pathlib import Path
 from pytest_rlk import storage
 from pytest_rlk.compare import compare_records, compare_to_baseline
 from pytest_rlk.gate import UNTIERED
+from pytest_rlk.history import band_source_lines, shadow_lines
 from pytest_rlk.options import OptionError, parse_refresh_rel
 from pytest_rlk.schema import GateResult, RunRecord
 from pytest_rlk.session import merge_run
 from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines
 from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text
 
-EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli")
+EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli",
+                     "pytest_rlk.baselines_cli", "pytest_rlk.prove.cli")
 
 
 def _load_run(arg: str, artifacts: Path | None) -> tuple[Path, RunRecord]:
@@ -100,6 +102,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     print(diff_table(results, headers=headers, wide=args.wide))
     print(_verdict_counts(results))
     for line in notes:
+        print(line)
+    for line in [*shadow_lines(results), *band_source_lines(results)]:
         print(line)
     return _exit_code(results, fail_on_improvement=args.fail_on_improvement,
                       require_baselines=args.require_baselines)

@@ -4,9 +4,10 @@ Used by the plugin's gate, ``rlk diff`` and the e2e A/B gates alike.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
-from pytest_rlk.bands import default_band, default_window
+from pytest_rlk.bands import NOISE_RULE, default_band, default_window
 from pytest_rlk.schema import (
     Band,
     Baseline,
@@ -22,7 +23,7 @@ from pytest_rlk.stats import aggregate
 
 __all__ = [
     "GateResult", "MetricComparison", "Verdict", "band_for", "window_for", "scalar_value",
-    "compare_value", "compare_to_baseline", "compare_records", "baseline_metric_from",
+    "compare_value", "compare_to_baseline", "compare_records", "baseline_metric_from", "shadow_reason",
 ]
 
 
@@ -54,8 +55,8 @@ def compare_value(name: str, ref: float, new: float, *, direction: str, band: Ba
     delta = new - ref
     refresh = band.width(ref) if refresh_rel is None else max(refresh_rel * abs(ref), band.abs_floor)
     verdict, detail = Verdict.PASS, ""
-    if new != new:  # NaN is never within a band
-        verdict, detail = Verdict.REGRESSION, "value is NaN"
+    if not math.isfinite(new):  # NaN or inf is never within a band, in shadow mode neither
+        verdict, detail = Verdict.REGRESSION, f"value is not finite ({new})"
     elif direction == "two_sided":
         if abs(delta) > width:
             verdict = Verdict.REGRESSION
@@ -79,7 +80,7 @@ def compare_to_baseline(test_record: TestRecord, baseline: Baseline | None, *,
     The baseline's band and window are authoritative: the values were recorded under them.
     """
     gated = [m for m in test_record.metrics if m.gate]
-    result = GateResult(case=test_record.case)
+    result = GateResult(case=test_record.case, shadow=shadow_reason(baseline))
     if baseline is None:
         for m in gated:
             result.comparisons.append(MetricComparison(
@@ -138,6 +139,22 @@ def compare_records(a_metrics: Iterable[MetricRecord] | Mapping[str, MetricRecor
                 name=name, baseline=_safe_scalar(ma), direction=ma.direction,
                 verdict=Verdict.MISSING_METRIC, detail="only in A"))
     return result
+
+
+def shadow_reason(baseline: Baseline | None) -> str | None:
+    """Why a case gates in shadow mode, or None: some band of its baseline rests on fewer trusted
+    runs than ``NOISE_RULE.min_runs`` (a band recommended from runs, or one whose run was
+    distrusted). A band stated in code (``rests_on`` None) gates from the first run."""
+    if baseline is None:
+        return None
+    short = {name: m.band.rests_on for name, m in baseline.metrics.items()
+             if m.band.rests_on is not None and m.band.rests_on < NOISE_RULE.min_runs}
+    if not short:
+        return None
+    runs = sorted(set(short.values()))
+    counts = "/".join(str(n) for n in runs)
+    return (f"bands rest on {counts} trusted run{'s' if runs != [1] else ''} "
+            f"(fewer than {NOISE_RULE.min_runs}): {', '.join(sorted(short))}")
 
 
 def baseline_metric_from(metric: MetricRecord) -> BaselineMetric:

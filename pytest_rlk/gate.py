@@ -4,7 +4,11 @@
 metrics, a missing file) or are out of date (new metrics, metrics no longer gated) and the test
 still fails if it failed; ``=all`` rewrites every baseline
 a test touches and the gate passes. In a failed-mode rewrite, metrics that passed keep their old
-reference, so a rewrite never drifts values that were fine.
+reference, so a rewrite never drifts values that were fine. A written file holds the recording run as a
+one-run history (pytest_rlk.history) and its bands as the test states them (``rests_on`` None):
+it gates from its first run. A case whose baseline has a band resting on fewer than
+``bands.NOISE_RULE.min_runs`` trusted runs gates in shadow mode: its regressions are reported
+(``GateResult.shadow``, the summary) and do not fail the test; a non-finite value does.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from pathlib import Path
 
 from pytest_rlk import storage
 from pytest_rlk.compare import baseline_metric_from, compare_to_baseline
-from pytest_rlk.schema import SCHEMA_VERSION, Baseline, GateResult, TestRecord, Verdict
+from pytest_rlk.history import one_run_history
+from pytest_rlk.schema import BASELINE_SCHEMA_VERSION, Baseline, GateResult, TestRecord, Verdict
 
 UNTIERED = "untiered"
 _REWRITE_IN_FAILED_MODE = (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.MISSING_BASELINE,
@@ -51,8 +56,8 @@ def gate_test(record: TestRecord, settings: GateSettings, provenance: dict[str, 
 
     problems = [f"{c.name}: {c.verdict.label}: baseline {c.baseline:.6g}, new {c.new:.6g} ({c.detail})"
                 if c.baseline is not None and c.new is not None else f"{c.name}: {c.verdict.label} ({c.detail})"
-                for c in result.regressions]
-    if settings.fail_on_improvement:
+                for c in result.failing]
+    if settings.fail_on_improvement and not result.shadow:
         problems += [f"{c.name}: {c.verdict.label}: baseline {c.baseline:.6g}, new {c.new:.6g} "
                      f"({c.detail}; --rlk-fail-on-improvement)" for c in result.improvements]
     if settings.require and result.missing_baseline:
@@ -88,8 +93,8 @@ def _write(path: Path, record: TestRecord, tier: str, settings: GateSettings,
             metrics[m.name] = old.metrics[m.name]
         else:
             metrics[m.name] = baseline_metric_from(m)
+    provenance = {**provenance, "nodeid": record.nodeid,
+                  **({"kernel_backend_ids": list(record.backends)} if record.backends else {})}
     storage.write_baseline(path, Baseline(
-        schema_version=SCHEMA_VERSION, tier=tier, case=record.case, platform=settings.platform,
-        provenance={**provenance, "nodeid": record.nodeid,
-                    **({"kernel_backend_ids": list(record.backends)} if record.backends else {})},
-        metrics=metrics))
+        schema_version=BASELINE_SCHEMA_VERSION, tier=tier, case=record.case, platform=settings.platform,
+        provenance=provenance, metrics=metrics, history=one_run_history(provenance, metrics, old)))

@@ -27,7 +27,7 @@ METRICS_CSV = "metrics.csv"
 def verdict_of(run: RunRecord) -> tuple[str, list[str]]:
     """``PASS`` / ``FAIL`` / ``INCOMPLETE`` and why."""
     failed = [t for t in run.tests if t.outcome in ("failed", "error")]
-    regressions = [c for t in run.tests if t.gate for c in t.gate.regressions]
+    regressions = [c for t in run.tests if t.gate for c in t.gate.failing]
     gate_errors = [t for t in run.tests if t.gate_error]
     why = []
     if failed:

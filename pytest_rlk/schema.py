@@ -11,7 +11,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # run, part and test records
+# baselines: 2 adds the case's history of trusted runs (``Baseline.history``) and a band's
+# ``rests_on``; a version-1 file loads unchanged, as a one-run history (pytest_rlk.history)
+BASELINE_SCHEMA_VERSION = 2
+BASELINE_SCHEMA_VERSIONS_READ: tuple[int, ...] = (1, 2)
 
 Direction = Literal["higher_is_better", "lower_is_better", "two_sided"]
 DIRECTIONS: tuple[str, ...] = ("higher_is_better", "lower_is_better", "two_sided")
@@ -34,11 +38,17 @@ class _Strict(BaseModel):
 
 
 class Band(_Strict):
-    """Tolerance band around a reference value: width = max(rel * |ref|, abs_floor)."""
+    """Tolerance band around a reference value: width = max(rel * |ref|, abs_floor).
+
+    ``rests_on``: None for a band stated in code (a tolerance, a default of pytest_rlk.bands),
+    which gates from the first run; else the number of trusted runs whose spread the band was
+    recommended from (pytest_rlk.history), and a case with such a band resting on fewer than
+    ``bands.NOISE_RULE.min_runs`` runs gates in shadow mode."""
 
     rel: float = Field(default=0.0, ge=0.0)
     abs_floor: float = Field(default=0.0, ge=0.0)
     source: str = ""
+    rests_on: int | None = Field(default=None, ge=0)
 
     def width(self, ref: float) -> float:
         return max(self.rel * abs(ref), self.abs_floor)
@@ -120,6 +130,9 @@ class GateResult(_Strict):
     baseline_path: str | None = None
     comparisons: list[MetricComparison] = Field(default_factory=list)
     baseline_written: bool = False
+    # why the case gates in shadow mode (its verdicts are reported, a regression does not fail),
+    # None when it gates; a non-finite value fails in shadow mode too
+    shadow: str | None = None
 
     def with_verdict(self, *verdicts: Verdict) -> list[MetricComparison]:
         return [c for c in self.comparisons if c.verdict in verdicts]
@@ -136,7 +149,20 @@ class GateResult(_Strict):
     def missing_baseline(self) -> bool:
         return bool(self.with_verdict(Verdict.MISSING_BASELINE))
 
+    @property
+    def nonfinite(self) -> list[MetricComparison]:
+        """Regressions on a value that is not finite: an error in shadow mode as well."""
+        return [c for c in self.with_verdict(Verdict.REGRESSION)
+                if c.new is None or c.detail.startswith("value is not finite")]
+
+    @property
+    def failing(self) -> list[MetricComparison]:
+        """The comparisons that fail the case: its regressions, or in shadow mode the non-finite ones."""
+        return self.nonfinite if self.shadow else self.regressions
+
     def failed(self, *, fail_on_improvement: bool = False) -> bool:
+        if self.shadow:
+            return bool(self.nonfinite)
         return bool(self.regressions) or (fail_on_improvement and bool(self.improvements))
 
 
@@ -272,6 +298,55 @@ class BaselineMetric(_Strict):
         return v
 
 
+class HistoryRun(_Strict):
+    """One run a case's history holds values of."""
+
+    run_id: str = Field(min_length=1)
+    created_utc: str = ""
+    suite_commit: str | None = None
+
+    def describe(self) -> str:
+        commit = (self.suite_commit or "no commit")[:10]
+        return f"{self.run_id} ({self.created_utc[:10] or 'no date'}, {commit})"
+
+
+class MetricStats(_Strict):
+    n: int = Field(ge=0)
+    mean: float
+    sd: float = Field(ge=0.0)  # sample standard deviation (n - 1); 0 for n < 2
+    min: float
+    max: float
+
+
+class MetricHistory(_Strict):
+    """The last ``bands.NOISE_RULE.keep`` trusted values of one metric (run id -> value, oldest
+    first) and their statistics."""
+
+    values: dict[str, float] = Field(default_factory=dict)
+    stats: MetricStats | None = None
+    # the band the test states (its tolerance: the recommended band's floor), kept to recommend
+    # the band again when a run is distrusted
+    stated: Band | None = None
+
+    @field_validator("values")
+    @classmethod
+    def _finite_values(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {run: x for run, x in v.items() if not math.isfinite(x)}
+        if bad:
+            raise ValueError(f"non-finite values in the history: {bad}")
+        return v
+
+
+class CaseHistory(_Strict):
+    """A case's trusted runs (oldest first), the runs marked untrusted, and per-metric values."""
+
+    runs: list[HistoryRun] = Field(default_factory=list)
+    distrusted: list[HistoryRun] = Field(default_factory=list)
+    metrics: dict[str, MetricHistory] = Field(default_factory=dict)
+    # loaded from a version-1 file: one run, the recording's, read from its provenance
+    legacy: bool = False
+
+
 class Baseline(_Strict):
     schema_version: int
     tier: str
@@ -279,3 +354,4 @@ class Baseline(_Strict):
     platform: str
     provenance: dict[str, object] = Field(default_factory=dict)
     metrics: dict[str, BaselineMetric]
+    history: CaseHistory | None = None

@@ -10,7 +10,14 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from pytest_rlk.schema import SCHEMA_VERSION, Baseline, PartFile, RunRecord
+from pytest_rlk.schema import (
+    BASELINE_SCHEMA_VERSION,
+    BASELINE_SCHEMA_VERSIONS_READ,
+    SCHEMA_VERSION,
+    Baseline,
+    PartFile,
+    RunRecord,
+)
 
 M = TypeVar("M", bound=BaseModel)
 RUN_FILE = "run.json"
@@ -67,15 +74,16 @@ def _validate(path: Path, model: type[M], data: object) -> M:
         raise RlkFileError(path, field, f"{err['msg']}{more}") from None
 
 
-def _check_version(path: Path, data: object) -> None:
+def _check_version(path: Path, data: object, read: tuple[int, ...] = (SCHEMA_VERSION,)) -> None:
     if not isinstance(data, dict):
         raise RlkFileError(path, None, "expected a JSON object")
     if "schema_version" not in data:
         raise RlkFileError(path, "schema_version", "missing")
-    if data["schema_version"] != SCHEMA_VERSION:
+    if data["schema_version"] not in read:
+        reads = " or ".join(str(v) for v in read)
         raise RlkFileError(
             path, "schema_version",
-            f"is {data['schema_version']!r}, this pytest-rlk reads {SCHEMA_VERSION}; re-record it "
+            f"is {data['schema_version']!r}, this pytest-rlk reads {reads}; re-record it "
             "with --rlk-update-baselines=all",
         )
 
@@ -90,8 +98,11 @@ def load_baseline(path: Path, *, tier: str | None = None, platform: str | None =
                   case: str | None = None) -> Baseline:
     """Load and validate; ``tier``/``platform``/``case`` given must match the file's fields."""
     data = _read_json(path)
-    _check_version(path, data)
+    _check_version(path, data, BASELINE_SCHEMA_VERSIONS_READ)
     baseline = _validate(path, Baseline, data)
+    if baseline.schema_version == 1 and baseline.history is not None:
+        raise RlkFileError(path, "history", f"a schema_version 1 file has no history (version "
+                           f"{BASELINE_SCHEMA_VERSION} files have)")
     for field, want in (("tier", tier), ("platform", platform), ("case", case)):
         have = getattr(baseline, field)
         if want is not None and have != want:

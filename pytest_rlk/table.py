@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
+from pytest_rlk.history import shadow_lines
 from pytest_rlk.schema import GateResult, MetricComparison, RunRecord, Verdict
 from pytest_rlk.skips import skip_lines
 
@@ -162,6 +163,7 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
     else:
         lines.append("gate: no gated metrics recorded")
     lines += problem_lines
+    lines += shadow_lines(t.gate for t in run.tests if t.gate)
     lines += ["  " + line for line in missing_baseline_lines(run, (t.gate for t in run.tests if t.gate))]
     if written:
         lines.append(f"baselines written: {len(written)}")

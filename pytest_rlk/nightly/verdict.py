@@ -239,7 +239,7 @@ def build_verdict(inputs: VerdictInputs, baselines: Path, *, refresh_rel: float 
             if result is not None:
                 for c in result.comparisons:
                     col.gate[c.verdict.value] = col.gate.get(c.verdict.value, 0) + 1
-            if result is not None and result.regressions:
+            if result is not None and result.failing:  # shadow mode: a non-finite value only
                 problems.append(Problem(kind="regression", platform=platform, node=item.node, nodeid=nodeid,
                                         message=_comparison_text(result, (Verdict.REGRESSION, Verdict.MISSING_METRIC))))
             elif test.outcome in ("failed", "error"):

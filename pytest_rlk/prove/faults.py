@@ -1,0 +1,185 @@
+"""Deliberately wrong kernel backends: ``rlk-triton`` with one fault of a stated kind and size.
+
+Each is our Triton backend except for one op's output, gradient, reduction, support or cost, so a
+gate that passes it has missed a real kernel bug of that size. They are chosen by name
+(``FAULTS``) and loaded the ways any backend is:
+
+- in-process, under the name the tests pin (``rlk-triton``): ``-p pytest_rlk.prove.inject
+  --rlk-inject-fault NAME=SIZE`` (what ``rlk prove`` runs);
+- in another process (an e2e arm, a vLLM or TRL worker), by dotted path:
+  ``VIME_RL_KERNEL_BACKEND=pytest_rlk.prove.faults:make_backend`` with ``RLK_FAULT=NAME=SIZE``.
+
+The backend keeps the id ``rlk-triton`` (the tests assert which backend served them) and says what
+it is in its version: ``0.1.0+fault.logp_bias=0.001``. It declines the host-first path, so every
+call of the faulty op goes through the fault.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels.backends.triton import TritonBackend
+
+FAULT_ENV = "RLK_FAULT"
+
+
+class _ScaleGradAtEvenTokens(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient of every other token by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        scale = torch.ones_like(grad)
+        scale[..., ::2] = ctx.factor
+        return grad * scale, None
+
+
+def _logp_bias(impl: Callable, size: float) -> Callable:
+    return lambda call: impl(call) + size
+
+
+def _logp_grad_scale_even(impl: Callable, size: float) -> Callable:
+    return lambda call: _ScaleGradAtEvenTokens.apply(impl(call), 1.0 + size)
+
+
+def _logp_grad_sign_even(impl: Callable, size: float) -> Callable:
+    # size 1: the gradient of every other token turned around; 0: harmless
+    return lambda call: _ScaleGradAtEvenTokens.apply(impl(call), 1.0 - 2.0 * size)
+
+
+def _ratio_kl_bias(impl: Callable, size: float) -> Callable:
+    def biased(call: Any) -> Any:
+        ratio, kl = impl(call)
+        return ratio, kl + size
+    return biased
+
+
+def _grpo_loss_scale(impl: Callable, size: float) -> Callable:
+    def scaled(call: Any) -> Any:
+        loss, metrics = impl(call)
+        return loss * (1.0 + size), metrics
+    return scaled
+
+
+def _grpo_loss_wrong_reduction(impl: Callable, size: float) -> Callable:
+    """size 1: the other reduction (per-token sum for vime's sum of sample means and back); 0: harmless."""
+    def swapped(call: Any) -> Any:
+        if not size:
+            return impl(call)
+        other = "per_token_sum" if call.config.reduction == "sum_of_sample_mean" else "sum_of_sample_mean"
+        fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call) if f.init}
+        fields["config"] = dataclasses.replace(call.config, reduction=other)
+        return impl(type(call)(**fields))
+    return swapped
+
+
+def _grpo_metric_bias(impl: Callable, size: float) -> Callable:
+    def biased(call: Any) -> Any:
+        loss, metrics = impl(call)
+        return loss, {**metrics, "ppo_kl": metrics["ppo_kl"] + size}
+    return biased
+
+
+def _logp_slowdown(impl: Callable, size: float) -> Callable:
+    """``size`` times the op's work added to each call: whole extra calls, then one on the first
+    ``frac(size) * T`` rows (1: twice the time of a device-bound call)."""
+    def slow(call: Any) -> Any:
+        for _ in range(int(size)):
+            impl(call)
+        rows = int((size - int(size)) * call.logits.shape[0])
+        if rows:
+            impl(type(call)(call.logits[:rows], call.target_ids[:rows], call.temperature))
+        return impl(call)
+    return slow
+
+
+def _logp_extra_buffer(impl: Callable, size: float) -> Callable:
+    """A [T, V] fp32 buffer times ``size`` held through the call (a forgotten upcast of the logits)."""
+    def heavy(call: Any) -> Any:
+        logits = call.logits
+        extra = torch.empty(max(1, int(size * logits.numel())), dtype=torch.float32, device=logits.device)
+        extra.fill_(0.0)
+        out = impl(call)
+        del extra
+        return out
+    return heavy
+
+
+def _sleep(impl: Callable, size: float) -> Callable:
+    """A host-side sleep of ``size`` seconds per call (a host sync, a Python loop)."""
+    def slow(call: Any) -> Any:
+        time.sleep(size)
+        return impl(call)
+    return slow
+
+
+# name -> (op, wrapper(impl, size) -> impl); a fault of kind "declines" makes ``supports`` refuse
+WRAPPERS: dict[str, tuple[str, Callable[[Callable, float], Callable] | None]] = {
+    "logp_bias": ("logp", _logp_bias),
+    "logp_grad_scale_even": ("logp", _logp_grad_scale_even),
+    "logp_grad_sign_even": ("logp", _logp_grad_sign_even),
+    "ratio_kl_bias": ("ratio_kl", _ratio_kl_bias),
+    "grpo_loss_scale": ("grpo_loss", _grpo_loss_scale),
+    "grpo_loss_wrong_reduction": ("grpo_loss", _grpo_loss_wrong_reduction),
+    "grpo_metric_bias": ("grpo_loss", _grpo_metric_bias),
+    "grpo_loss_fallback": ("grpo_loss", None),
+    "logp_slowdown": ("logp", _logp_slowdown),
+    "logp_host_sleep": ("logp", _sleep),
+    "logp_extra_buffer": ("logp", _logp_extra_buffer),
+}
+
+
+class FaultyTritonBackend(TritonBackend):
+    """``rlk-triton`` with one fault (``WRAPPERS[fault]`` at ``size``)."""
+
+    def __init__(self, fault: str, size: float) -> None:
+        super().__init__()
+        if fault not in WRAPPERS:
+            raise ValueError(f"unknown fault {fault!r}; the faults: {', '.join(sorted(WRAPPERS))}")
+        self.fault, self.size = fault, size
+        self.op, self.wrap = WRAPPERS[fault]
+        self.version = f"{TritonBackend.version}+fault.{fault}={size:g}"
+
+    def supports(self, op: str, **case: Any) -> str | None:
+        if op == self.op and self.wrap is None and self.size:
+            return f"fault {self.fault}: this backend declines {op} (a fallback the gates must see)"
+        return super().supports(op, **case)
+
+    def host_first(self, op: str) -> Callable[..., Any] | None:
+        return None if op == self.op else super().host_first(op)
+
+    def get(self, op: str) -> Callable[..., Any]:
+        impl = super().get(op)
+        if op != self.op or self.wrap is None:
+            return impl
+        return self.wrap(impl, self.size)
+
+
+def parse_fault(text: str) -> tuple[str, float]:
+    """``NAME=SIZE`` -> (name, size); errors name the text and the known faults."""
+    name, sep, size = text.partition("=")
+    if not sep or name not in WRAPPERS:
+        raise ValueError(f"fault {text!r}: expected NAME=SIZE with NAME one of {', '.join(sorted(WRAPPERS))}")
+    try:
+        value = float(size)
+    except ValueError:
+        raise ValueError(f"fault {text!r}: size {size!r} is not a number") from None
+    return name, value
+
+
+def make_backend() -> FaultyTritonBackend:
+    """The dotted-path factory: the fault ``RLK_FAULT=NAME=SIZE`` names (set by whoever injects it)."""
+    text = os.environ.get(FAULT_ENV, "")
+    if not text:
+        raise ValueError(f"{FAULT_ENV} is not set: pytest_rlk.prove.faults:make_backend needs "
+                         f"{FAULT_ENV}=NAME=SIZE (one of {', '.join(sorted(WRAPPERS))})")
+    return FaultyTritonBackend(*parse_fault(text))
