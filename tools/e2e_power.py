@@ -4,8 +4,8 @@
 
 One ``rlk e2e run`` of SPEC (baseline vs kernels, each lane) with extra kernel-role arms beside
 the pair: N reruns of the kernel arm unchanged (the A/A arms) and one arm per injected fault and
-size (a test backend of ``suites/e2e/fault_backends.py``, chosen by dotted path with its size in
-the arm's environment). Then, per lane:
+size (``pytest_rlk.prove.faults``, the fault registry ``rlk prove`` uses, chosen by dotted path with
+``RLK_FAULT=NAME=SIZE`` in the arm's environment). Then, per lane:
 
 - false alarms: the pair's own verdict, and each A/A rerun gated against the kernel arm (kernels
   vs kernels, another run): every one must pass;
@@ -24,22 +24,23 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "suites" / "e2e")]
+sys.path.insert(0, str(REPO))
 
 from pytest_rlk.e2e.gates import gate_lane  # noqa: E402
 from pytest_rlk.e2e.outcome import ABRun, ABRunError, ExtraArm, gate_arms  # noqa: E402
 from pytest_rlk.e2e.progress import LineProgress  # noqa: E402
 from pytest_rlk.e2e.runner import run_ab  # noqa: E402
 from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, load_spec  # noqa: E402
+from pytest_rlk.prove import faults  # noqa: E402
 from pytest_rlk.schema import Verdict  # noqa: E402
 
-import fault_backends  # noqa: E402
-
-DEFAULT_FAULTS = {"logp_bias": [1e-3, 3e-3, 1e-2], "grad_scale": [0.9, 0.7, 0.5], "grad_flip": [0.05],
-                  "slow_logp": [0.2, 1.0], "extra_buffer": [1.0]}
+# sizes as pytest_rlk.prove.faults reads them: logp_grad_scale_even multiplies every other token's
+# gradient by 1 + size, logp_grad_sign_even=1 turns it around, logp_slowdown adds size x the op's work
+DEFAULT_FAULTS = {"logp_bias": [1e-3, 3e-3, 1e-2], "logp_grad_scale_even": [-0.1, -0.3, -0.5],
+                  "logp_grad_sign_even": [1.0], "logp_slowdown": [0.2, 1.0], "logp_extra_buffer": [1.0]}
 # the lanes where each fault is looked for (a speed or memory fault has no replay-lane gate)
-FAULT_LANES = {"logp_bias": ("live",), "grad_scale": ("replay", "live"), "grad_flip": ("replay", "live"),
-               "slow_logp": ("live",), "extra_buffer": ("live",)}
+FAULT_LANES = {"logp_bias": ("live",), "logp_grad_scale_even": ("replay", "live"),
+               "logp_grad_sign_even": ("replay", "live"), "logp_slowdown": ("live",), "logp_extra_buffer": ("live",)}
 
 
 def variant(spec: ABSpec, label: str, env: dict[str, str]) -> ABSpec:
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         faults = {}
         for item in ns.fault:
             name, _, sizes = item.partition("=")
-            if name not in fault_backends.FAULTS or not sizes:
-                parser.error(f"--fault {item!r}: NAME=SIZE[,SIZE] with NAME one of {sorted(fault_backends.FAULTS)}")
+            if name not in FAULT_LANES or not sizes:
+                parser.error(f"--fault {item!r}: NAME=SIZE[,SIZE] with NAME one of {sorted(FAULT_LANES)}")
             faults[name] = [float(x) for x in sizes.split(",")]
 
     extras, rows = [], []
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if lane not in FAULT_LANES[name]:
                 continue
             for size in sizes:
-                env = {"VIME_RL_KERNEL_BACKEND": fault_backends.dotted_path(name), fault_backends.SIZE_ENV: repr(size)}
+                env = {"VIME_RL_KERNEL_BACKEND": faults.DOTTED_PATH, faults.FAULT_ENV: f"{name}={size!r}"}
                 extras.append(ExtraArm(fault_key(name, size), variant(spec, f"fault {name} {size:g}", env), lane=lane))
     try:
         run: ABRun = run_ab(spec, ns.out, extra_arms=extras, overwrite=True, progress=LineProgress(sys.stdout))

@@ -10,8 +10,13 @@ gate that passes it has missed a real kernel bug of that size. They are chosen b
   ``VIME_RL_KERNEL_BACKEND=pytest_rlk.prove.faults:make_backend`` with ``RLK_FAULT=NAME=SIZE``.
 
 The backend keeps the id ``rlk-triton`` (the tests assert which backend served them) and says what
-it is in its version: ``0.1.0+fault.logp_bias=0.001``. It declines the host-first path, so every
-call of the faulty op goes through the fault.
+it is in its version: ``0.1.0+fault.logp_bias=0.001``. Its faulty ops are served through its own
+``get`` on every path (the routes that bypass ``get``, the host-first entry and the operators'
+splits, decline for an op whose ``get`` is not ours: ``TritonBackend.serves_own_routes``); its other
+ops keep every route of ours, so a speed fault costs what it adds and nothing else.
+
+The log-prob faults act on both log-prob ops (``logp`` on the logits, ``linear_logp`` on the hidden
+states and the LM head: TRL's LM head runs either), after the op.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 from kernels.backends.triton import TritonBackend
 
 FAULT_ENV = "RLK_FAULT"
+DOTTED_PATH = "pytest_rlk.prove.faults:make_backend"  # VIME_RL_KERNEL_BACKEND of another process
 
 
 class _ScaleGradAtEvenTokens(torch.autograd.Function):
@@ -89,26 +95,61 @@ def _grpo_metric_bias(impl: Callable, size: float) -> Callable:
     return biased
 
 
+def _tokens_vocab(call: Any) -> tuple[int, int]:
+    """(T, V) of a logp or linear_logp call."""
+    if hasattr(call, "logits"):
+        return call.logits.shape[0], call.logits.shape[1]
+    return call.hidden.shape[0], call.weight.shape[0]
+
+
+def _first_rows(call: Any, rows: int) -> Any:
+    """The same logp or linear_logp call on its first ``rows`` tokens, without autograd inputs."""
+    if hasattr(call, "logits"):
+        return type(call)(call.logits[:rows].detach(), call.target_ids[:rows], call.temperature)
+    bias = None if call.bias is None else call.bias.detach()
+    return type(call)(call.hidden[:rows].detach(), call.weight.detach(), call.target_ids[:rows], bias,
+                      call.temperature)
+
+
 def _logp_slowdown(impl: Callable, size: float) -> Callable:
     """``size`` times the op's work added to each call: whole extra calls, then one on the first
     ``frac(size) * T`` rows (1: twice the time of a device-bound call)."""
     def slow(call: Any) -> Any:
-        for _ in range(int(size)):
-            impl(call)
-        rows = int((size - int(size)) * call.logits.shape[0])
-        if rows:
-            impl(type(call)(call.logits[:rows], call.target_ids[:rows], call.temperature))
+        with torch.no_grad():
+            for _ in range(int(size)):
+                impl(_first_rows(call, _tokens_vocab(call)[0]))
+            rows = int((size - int(size)) * _tokens_vocab(call)[0])
+            if rows:
+                impl(_first_rows(call, rows))
         return impl(call)
     return slow
 
 
+class _HeldUntilBackward(torch.autograd.Function):
+    """Identity on ``x`` that holds ``buffer`` (saved for the backward) until the backward runs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(buffer)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def _logp_extra_buffer(impl: Callable, size: float) -> Callable:
-    """A [T, V] fp32 buffer times ``size`` held through the call (a forgotten upcast of the logits)."""
+    """A [T, V] fp32 buffer times ``size`` filled during the call and, where the output is
+    differentiated, held until its backward (a forgotten upcast of the logits saved for the
+    backward)."""
     def heavy(call: Any) -> Any:
-        logits = call.logits
-        extra = torch.empty(max(1, int(size * logits.numel())), dtype=torch.float32, device=logits.device)
+        tokens, vocab = _tokens_vocab(call)
+        device = (call.logits if hasattr(call, "logits") else call.hidden).device
+        extra = torch.empty(max(1, int(size * tokens * vocab)), dtype=torch.float32, device=device)
         extra.fill_(0.0)
         out = impl(call)
+        if torch.is_grad_enabled() and out.requires_grad:
+            return _HeldUntilBackward.apply(out, extra)
         del extra
         return out
     return heavy
@@ -122,7 +163,9 @@ def _sleep(impl: Callable, size: float) -> Callable:
     return slow
 
 
-# name -> (op, wrapper(impl, size) -> impl); a fault of kind "declines" makes ``supports`` refuse
+# name -> (op, wrapper(impl, size) -> impl); a fault of kind "declines" makes ``supports`` refuse.
+# A ``logp`` fault applies to every op of LOGP_OPS.
+LOGP_OPS = ("logp", "linear_logp")
 WRAPPERS: dict[str, tuple[str, Callable[[Callable, float], Callable] | None]] = {
     "logp_bias": ("logp", _logp_bias),
     "logp_grad_scale_even": ("logp", _logp_grad_scale_even),
@@ -147,21 +190,29 @@ class FaultyTritonBackend(TritonBackend):
             raise ValueError(f"unknown fault {fault!r}; the faults: {', '.join(sorted(WRAPPERS))}")
         self.fault, self.size = fault, size
         self.op, self.wrap = WRAPPERS[fault]
+        self.ops = LOGP_OPS if self.op == "logp" else (self.op,)
         self.version = f"{TritonBackend.version}+fault.{fault}={size:g}"
-
-    def supports(self, op: str, **case: Any) -> str | None:
-        if op == self.op and self.wrap is None and self.size:
-            return f"fault {self.fault}: this backend declines {op} (a fallback the gates must see)"
-        return super().supports(op, **case)
-
-    def host_first(self, op: str) -> Callable[..., Any] | None:
-        return None if op == self.op else super().host_first(op)
 
     def get(self, op: str) -> Callable[..., Any]:
         impl = super().get(op)
-        if op != self.op or self.wrap is None:
+        if op not in self.ops or self.wrap is None:
             return impl
         return self.wrap(impl, self.size)
+
+
+class DecliningTritonBackend(FaultyTritonBackend):
+    """A fault of kind "declines": ``supports`` refuses the op (a fallback the gates must see)."""
+
+    def supports(self, op: str, **case: Any) -> str | None:
+        if op in self.ops and self.size:
+            return f"fault {self.fault}: this backend declines {op} (a fallback the gates must see)"
+        return super().supports(op, **case)
+
+
+def faulty_backend(fault: str, size: float) -> FaultyTritonBackend:
+    """The backend of ``fault`` at ``size``."""
+    declines = fault in WRAPPERS and WRAPPERS[fault][1] is None
+    return (DecliningTritonBackend if declines else FaultyTritonBackend)(fault, size)
 
 
 def parse_fault(text: str) -> tuple[str, float]:
@@ -182,4 +233,4 @@ def make_backend() -> FaultyTritonBackend:
     if not text:
         raise ValueError(f"{FAULT_ENV} is not set: pytest_rlk.prove.faults:make_backend needs "
                          f"{FAULT_ENV}=NAME=SIZE (one of {', '.join(sorted(WRAPPERS))})")
-    return FaultyTritonBackend(*parse_fault(text))
+    return faulty_backend(*parse_fault(text))

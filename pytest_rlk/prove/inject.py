@@ -35,9 +35,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[FAULT_ENV] = text
 
     def factory():
-        from pytest_rlk.prove.faults import FaultyTritonBackend
+        from pytest_rlk.prove.faults import faulty_backend
 
-        return FaultyTritonBackend(name, size)
+        return faulty_backend(name, size)
 
     from kernels.backends import register_backend
 

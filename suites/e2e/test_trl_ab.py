@@ -28,11 +28,11 @@ from pytest_rlk.extras import require_extra
 require_extra("trl")
 require_extra("datasets")  # TRL's GRPOTrainer reads its prompts from a datasets.Dataset
 
-import fault_backends  # noqa: E402
 import perturbed_logp_backend as perturbed_backend  # noqa: E402
 import torch  # noqa: E402
 
 from pytest_rlk.e2e import metrics as m  # noqa: E402
+from pytest_rlk.prove import faults  # noqa: E402
 from pytest_rlk.e2e.engines.task import TARGET_WORDS, make_prompts, repeat_reward  # noqa: E402
 from pytest_rlk.e2e.engines.trl.series import METRICS_FILE, read_series  # noqa: E402
 from pytest_rlk.e2e.outcome import ABRun, ExtraArm, gate_arms, load_ab_run, write_run_report  # noqa: E402
@@ -301,14 +301,15 @@ def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metric
 # ------------------------------------------------------------------------------------------
 
 GRAD_FAULT = "kernels_grad_fault"
-GRAD_FAULT_SCALE = 0.5  # the log-prob's gradient x 0.5 on every other token
+GRAD_FAULT_SIZE = -0.5  # the log-prob's gradient x (1 + size) = x 0.5 on every other token
 
 
-def _fault_variant(spec: ABSpec, factory: str, size: float) -> ABSpec:
+def fault_variant(spec: ABSpec, fault: str, size: float) -> ABSpec:
+    """The spec with a kernel arm on an injected fault (pytest_rlk.prove.faults, by dotted path)."""
     raw = spec.model_dump(mode="json")
-    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} (test-only fault {factory} {size:g})",
-                              "env": {"VIME_RL_KERNEL_BACKEND": fault_backends.dotted_path(factory),
-                                      fault_backends.SIZE_ENV: repr(size)}}
+    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} (injected fault {fault}={size:g})",
+                              "env": {"VIME_RL_KERNEL_BACKEND": faults.DOTTED_PATH,
+                                      faults.FAULT_ENV: f"{fault}={size!r}"}}
     return ABSpec.model_validate(raw)
 
 
@@ -318,7 +319,7 @@ def replay_cpu_ab(tmp_path_factory, rlk_progress, cpu_kernels_reason) -> ABRun:
         pytest.skip(f"the CPU lane's kernels arm cannot run here: {cpu_kernels_reason}")
     out = tmp_path_factory.mktemp("trl_ab_replay_cpu")
     spec = load_spec(REPLAY_CPU)
-    fault = ExtraArm(GRAD_FAULT, _fault_variant(spec, "grad_scale", GRAD_FAULT_SCALE), lane="replay")
+    fault = ExtraArm(GRAD_FAULT, fault_variant(spec, "logp_grad_scale_even", GRAD_FAULT_SIZE), lane="replay")
     with rlk_progress.step(f"TRL GRPO replay lane {REPLAY_CPU.stem}: baseline records, the kernel arm and a "
                            "gradient-fault arm replay (one after the other)"):
         return run_ab(spec, out, extra_arms=[fault], progress=_EveryFourthRollout(_ToTerminal(rlk_progress)))

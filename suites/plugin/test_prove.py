@@ -58,12 +58,16 @@ def test_the_wrappers_do_what_they_say_and_size_0_is_harmless():
 
 
 def test_the_faulty_backend_keeps_its_name_says_its_fault_and_declines_the_host_path():
-    backend = faults.FaultyTritonBackend("grpo_loss_fallback", 1.0)
+    backend = faults.faulty_backend("grpo_loss_fallback", 1.0)
     assert backend.id == "rlk-triton" and backend.version.endswith("+fault.grpo_loss_fallback=1")
     assert "declines grpo_loss" in backend.supports("grpo_loss", device=torch.device("cpu"), dtype=torch.float32)
-    assert faults.FaultyTritonBackend("logp_bias", 1e-3).host_first("logp") is None
+    import kernels.ops.logp  # noqa: F401  (the host-first entry exists once the op module is loaded)
+
+    biased = faults.faulty_backend("logp_bias", 1e-3)
+    assert biased.host_first("logp") is None and not biased.serves_own_routes("linear_logp")
+    assert biased.serves_own_routes("ratio_kl")  # the ops without the fault keep every route of ours
     with pytest.raises(ValueError, match="unknown fault 'nope'"):
-        faults.FaultyTritonBackend("nope", 1.0)
+        faults.faulty_backend("nope", 1.0)
 
 
 @pytest.mark.parametrize(("text", "message"), [
