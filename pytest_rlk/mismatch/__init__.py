@@ -19,10 +19,19 @@ from pytest_rlk.mismatch.gates import (
     MetricBand,
     band_problems,
     every_step_within,
+    vime_ceiling,
 )
 from pytest_rlk.mismatch.identities import Step0Tolerance, step0_problems, step0_tolerance
-from pytest_rlk.mismatch.metrics import METRICS, MetricDef, MismatchError, MismatchMetrics, mismatch_metrics
+from pytest_rlk.mismatch.metrics import (
+    LOGGED_AS,
+    METRICS,
+    MetricDef,
+    MismatchError,
+    MismatchMetrics,
+    from_logged,
+    mismatch_metrics,
+)
 
-__all__ = ["DEFAULT_BANDS", "METRICS", "VIME_ABS_DIFF_CEILING", "VIME_ABS_DIFF_CEILING_SOURCE", "MetricBand",
+__all__ = ["DEFAULT_BANDS", "LOGGED_AS", "METRICS", "VIME_ABS_DIFF_CEILING", "VIME_ABS_DIFF_CEILING_SOURCE", "MetricBand",
            "MetricDef", "MismatchError", "MismatchMetrics", "Step0Tolerance", "band_problems", "every_step_within",
-           "mismatch_metrics", "step0_problems", "step0_tolerance"]
+           "from_logged", "mismatch_metrics", "step0_problems", "step0_tolerance", "vime_ceiling"]

@@ -59,6 +59,15 @@ DEFAULT_BANDS: tuple[MetricBand, ...] = (
 VIME_CEILING_ONLY: tuple[MetricBand, ...] = DEFAULT_BANDS[:1]
 
 
+def vime_ceiling(metric: str = "train_rollout_logprob_abs_diff") -> MetricBand:
+    """vime's ceiling as a band on ``metric``: its own sample-mean abs_diff by default; a lane whose
+    stack logs the token mean instead (TRL's ``sampling/sampling_logp_difference/mean``, here
+    ``logp_abs_mean``) holds that to the same number."""
+    if metric == "train_rollout_logprob_abs_diff":
+        return DEFAULT_BANDS[0]
+    return MetricBand(metric, None, VIME_ABS_DIFF_CEILING, f"{VIME_ABS_DIFF_CEILING_SOURCE}, applied to {metric}")
+
+
 def _values(metrics: MismatchMetrics | Mapping[str, float]) -> Mapping[str, float]:
     return metrics.values() if isinstance(metrics, MismatchMetrics) else metrics
 

@@ -16,7 +16,7 @@ A cap C's share is what truncated IS (TIS) clips to C and what token-level maske
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,15 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("is_capped_5", "share of tokens with w > 5", "a looser TIS / MIS cap", "share", "lower_is_better"),
 )
 METRIC_NAMES = tuple(m.name for m in METRICS)
+# the names stacks log these metrics under (read from their code: vime's metric keys, TRL 1.16's
+# GRPOTrainer, which logs the token mean and max of |old - sampling| log-probs with vLLM's importance
+# sampling correction on; its logged importance_sampling_ratio is the corrected one, after the cap or
+# mask, so it is not w)
+LOGGED_AS = {
+    "train/train_rollout_logprob_abs_diff": "train_rollout_logprob_abs_diff",
+    "sampling/sampling_logp_difference/mean": "logp_abs_mean",
+    "sampling/sampling_logp_difference/max": "logp_abs_max",
+}
 BY_NAME = {m.name: m for m in METRICS}
 
 
@@ -161,3 +170,14 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         is_weight_mean=float(w.mean()), is_ess=float(w.sum() ** 2 / (n * (w * w).sum())),
         is_capped_2=float((w > IS_CAPS[0]).double().mean()), is_capped_5=float((w > IS_CAPS[1]).double().mean()),
         active_tokens=n, samples=int(has.sum()))
+
+
+def from_logged(logged: Mapping[str, float]) -> dict[str, float]:
+    """The mismatch metrics a stack's logged step holds, under this table's names (:data:`LOGGED_AS`;
+    keys this table already uses pass through)."""
+    out = {}
+    for key, value in logged.items():
+        name = LOGGED_AS.get(key, key if key in BY_NAME else None)
+        if name is not None:
+            out[name] = float(value)
+    return out

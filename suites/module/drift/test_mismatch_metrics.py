@@ -110,6 +110,17 @@ def test_every_step_within_the_band_not_only_the_mean():
         gates.every_step_within([])
 
 
+def test_a_trl_lane_holds_its_token_mean_to_vimes_ceiling_on_every_step():
+    logged = [{"sampling/sampling_logp_difference/mean": v, "sampling/sampling_logp_difference/max": 0.5,
+               "loss": 1.0} for v in (0.01, 0.02, 0.12)]
+    steps = [mismatch.from_logged(s) for s in logged]
+    assert steps[0] == {"logp_abs_mean": 0.01, "logp_abs_max": 0.5}
+    band = mismatch.vime_ceiling("logp_abs_mean")
+    (problem,) = gates.every_step_within(steps, [band])
+    assert problem.startswith("step 2: logp_abs_mean 0.12 outside logp_abs_mean <= 0.1") and "vime PR 94" in problem
+    assert mismatch.vime_ceiling() is gates.DEFAULT_BANDS[0]
+
+
 def test_step0_identities_within_the_ops_tolerance():
     tol = identities.step0_tolerance("fp32", "cpu")
     atol = tolerances.get("logp", "fp32", "cpu").atol
