@@ -119,6 +119,12 @@ def test_precision_matrix(mismatch_rollouts, rlk_metrics):
         assert not gates.band_problems(m, gates.VIME_CEILING_ONLY), (key, gates.band_problems(m))
     # the FP16 paper's finding: against fp32 training, an fp16 rollout is the closer one
     assert by[("fp16", "fp32")].logp_abs_mean < by[("bf16", "fp32")].logp_abs_mean, by
+    # the GPU training side's command on the written inputs gives the same matrix (here on the CPU)
+    args = [str(art / "model"), "--rollout", f"bf16={art / 'rollout-bf16.json'}",
+            "--rollout", f"fp16={art / 'rollout-fp16.json'}", "--out", str(art / "cli")]
+    assert precision.main(args) == 0
+    again = json.loads((art / "cli" / "precision.json").read_text())
+    assert [c["metrics"] for c in again] == [c.metrics.to_dict() for c in cells]
 
 
 @pytest.mark.tiny
@@ -126,3 +132,8 @@ def test_precision_matrix_refuses_a_semantics_mismatch(mismatch_rollouts):
     raw = mismatch_rollouts.rollouts["temperature 0.7, raw"]
     with pytest.raises(PreconditionError, match="temperature 0.7: vLLM's logprobs_mode raw_logprobs"):
         precision.precision_matrix(mismatch_rollouts.model_dir, {"fp16": raw}, device=torch.device("cpu"))
+    other = {**mismatch_rollouts.rollouts["precision-fp16"], "checkpoint": "sha256:another"}
+    with pytest.raises(PreconditionError, match="checkpoint: 'sha256:another' != "):
+        precision.precision_matrix(mismatch_rollouts.model_dir, {"fp16": other}, device=torch.device("cpu"))
+    with pytest.raises(PreconditionError, match="the bf16 rollout was generated in float16"):
+        precision.precision_matrix(mismatch_rollouts.model_dir, {"bf16": other}, device=torch.device("cpu"))
