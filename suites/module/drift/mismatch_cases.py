@@ -4,6 +4,7 @@ sampling setting of a load is a request on the same engine).
 
 * bf16, ``processed_logprobs``: the precision matrix's bf16 row (temperature 1), and the semantics
   cells top-p 0.9 (vime issue 69), top-k 16, and temperature 0.7 (processed: aligned with training);
+  and the lr=0 lane's steps (temperature 1, a seed per step: the weights frozen, sampling on);
 * fp16, ``raw_logprobs``: the precision matrix's fp16 row (temperature 1: raw and processed
   log-probs coincide) and the semantics cell temperature 0.7 with raw log-probs (vime issue 64).
 """
@@ -32,7 +33,9 @@ REQUESTS = {
     "precision-fp16": ("fp16-raw", {}),
     "temperature 0.7, raw": ("fp16-raw", {"temperature": 0.7}),
 }
-SEMANTICS_CELLS = [name for name in REQUESTS if not name.startswith("precision-")]
+LR0_STEPS = 3
+REQUESTS |= {f"lr0 step {k}": ("bf16-processed", {"seed": tiny.DRIFT_SEED + 1 + k}) for k in range(LR0_STEPS)}
+SEMANTICS_CELLS = [name for name in REQUESTS if not name.startswith(("precision-", "lr0 "))]
 PRECISION_ROLLOUTS = {"bf16": "precision-bf16", "fp16": "precision-fp16"}
 
 

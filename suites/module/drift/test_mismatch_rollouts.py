@@ -7,6 +7,9 @@ nothing else) and again replaying the rollout's own semantics. Raw log-probs at 
 purpose: each finding names the setting, and matching the semantics removes most of the gap; the
 processed log-probs at temperature 0.7 are aligned (no finding, nothing to remove).
 
+lr=0 lane: rollouts of the frozen weights with a new seed per step, each step's mismatch of the
+kernels and the engine held to every default band (gates.every_step_within).
+
 Precision (pytest_rlk/drift/precision.py): bf16 and fp16 rollouts against training log-probs in
 bf16, fp16 and fp32, every mismatch metric per cell. Numbers are recorded, not gated (measured, like
 the ladder's A3); the asserts are the findings that hold by construction or by a wide margin.
@@ -137,3 +140,41 @@ def test_precision_matrix_refuses_a_semantics_mismatch(mismatch_rollouts):
         precision.precision_matrix(mismatch_rollouts.model_dir, {"fp16": other}, device=torch.device("cpu"))
     with pytest.raises(PreconditionError, match="the bf16 rollout was generated in float16"):
         precision.precision_matrix(mismatch_rollouts.model_dir, {"bf16": other}, device=torch.device("cpu"))
+
+
+def lane_steps(rollouts: mismatch_cases.MismatchRollouts, names: list[str], arith: str = "kernels") -> list:
+    """Per step: every mismatch metric of the training side (default the production one: our
+    kernels, fp32 logits) against that step's rollout, the weights frozen (the lr=0 lane)."""
+    from pytest_rlk.drift.rungs import SideConfig
+    from pytest_rlk.mismatch.metrics import mismatch_metrics
+
+    checkpoint = checkpoint_fingerprint(rollouts.model_dir)
+    steps = []
+    for name in names:
+        batch = precision.rollout_batch(rollouts.rollouts[name])
+        side = TrainingSides(rollouts.model_dir, batch, checkpoint=checkpoint, device=torch.device("cpu")).side(
+            SideConfig(arith=arith))
+        rollout_lp = torch.tensor([v for r in batch.rollout_logprobs for v in r], dtype=torch.float64)
+        steps.append(mismatch_metrics(side.logp.double(), rollout_lp, batch.flat_mask(), lengths=batch.lengths))
+    return steps
+
+
+@pytest.mark.tiny
+def test_lr0_lane_every_step_within_the_bands(mismatch_rollouts, rlk_metrics):
+    """The weights frozen and sampling on (a new seed per step): the mismatch of the kernels and the
+    engine alone, step by step, held to every default band on every step. Shown failing on purpose:
+    one step whose rollout reports raw log-probs at temperature 0.7 breaks the ceiling at that step,
+    while the steps' mean stays under it."""
+    names = [f"lr0 step {k}" for k in range(mismatch_cases.LR0_STEPS)]
+    steps = lane_steps(mismatch_rollouts, names)
+    for k, m in enumerate(steps):
+        _record(rlk_metrics, f"step{k}", m, {"lane": "lr0", "step": str(k)})
+    assert gates.every_step_within(steps) == [], gates.every_step_within(steps)
+    # the injected step's fault is its semantics: its arithmetic does not matter (the reference is faster here)
+    (bad,) = lane_steps(mismatch_rollouts, ["temperature 0.7, raw"], arith="reference")
+    faulty = steps[:2] + [bad] + steps[2:]
+    mean = sum(s.train_rollout_logprob_abs_diff for s in faulty) / len(faulty)
+    assert mean <= gates.VIME_ABS_DIFF_CEILING, mean
+    problems = gates.every_step_within(faulty)
+    assert problems and all(p.startswith("step 2: ") for p in problems), problems
+    assert any(p.startswith("step 2: train_rollout_logprob_abs_diff") for p in problems), problems
