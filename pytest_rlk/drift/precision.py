@@ -109,7 +109,8 @@ def render(cells: list[PrecisionCell], *, where: str = "") -> str:
     lines = [f"## Precision matrix{f' ({where})' if where else ''}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
-        lines.append("| " + " | ".join([c.rollout_dtype, c.train_dtype] + [f"{v:.4g}" for v in c.metrics.values().values()]) + " |")
+        values = [f"{v:.4g}" for v in c.metrics.values().values()]
+        lines.append("| " + " | ".join([c.rollout_dtype, c.train_dtype, *values]) + " |")
     return "\n".join(lines) + "\n"
 
 
