@@ -46,7 +46,17 @@ def _record(rlk_metrics, prefix: str, metrics, tags: dict[str, str]) -> None:
                            tags=tags, gate=False)
 
 
+_CELLS: dict[tuple[int, str], semantics.SemanticsCell] = {}  # computed once per session's rollouts
+
+
 def cell_for(rollouts: mismatch_cases.MismatchRollouts, name: str) -> semantics.SemanticsCell:
+    key = (id(rollouts), name)
+    if key not in _CELLS:
+        _CELLS[key] = _measure_cell(rollouts, name)
+    return _CELLS[key]
+
+
+def _measure_cell(rollouts: mismatch_cases.MismatchRollouts, name: str) -> semantics.SemanticsCell:
     out = rollouts.rollouts[name]
     batch = precision.rollout_batch(out)
     sides = TrainingSides(rollouts.model_dir, batch, checkpoint=checkpoint_fingerprint(rollouts.model_dir),
