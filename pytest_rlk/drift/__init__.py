@@ -14,8 +14,13 @@ Modules (plain code; the pytest tests in suites/module/drift/ and ``rlk drift`` 
   and the check that refuses a comparison otherwise;
 * batch.py: the token sequences every rung scores; rollout.py: vLLM in a subprocess;
 * arith.py, sides.py, tp.py: the training forward under each side's arithmetic, layout and dtype;
-* diagnostics.py: |dlogp| quantiles, ratio0, clipfrac0, approx_kl0, worst token, layout fingerprints;
+* diagnostics.py: |dlogp| quantiles, ratio0, clipfrac0, approx_kl0, worst token, layout fingerprints,
+  and every metric of the mismatch table (pytest_rlk/mismatch);
 * contracts.py: each comparison's contract and gate band, from kernels/tolerances.py;
-* runner.py, table.py, plot.py: run the ladder, the drift table with the attribution, the plot;
+* runner.py, table.py, mismatch_table.py, plot.py: run the ladder, the drift table with the
+  attribution and the mismatch metrics, the plot;
+* semantics.py: rung S, what the rollout's and the training's log-probs mean (temperature, top-k,
+  top-p on each side; vLLM's raw vs processed log-probs), named and measured;
+* precision.py: the precision matrix (rollout bf16 / fp16 x training bf16 / fp16 / fp32);
 * cli.py: ``rlk drift`` / ``python -m pytest_rlk.drift``.
 """

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from kernels import tolerances
 from pytest_rlk.drift.diagnostics import Diagnostics
 from pytest_rlk.drift.rungs import ComparisonSpec, SideConfig
+from pytest_rlk.mismatch.gates import VIME_ABS_DIFF_CEILING, VIME_ABS_DIFF_CEILING_SOURCE
 
 REGRESSION_REL = 0.5
 REGRESSION_SOURCE = "miles: logprob diff up rel 0.5 (peers.md)"
-VIME_ABS_DIFF_CAP = 0.1
-VIME_CAP_SOURCE = "vime --ci-train-rollout-logprob-abs-diff-threshold default"
+VIME_ABS_DIFF_CAP = VIME_ABS_DIFF_CEILING
+VIME_CAP_SOURCE = VIME_ABS_DIFF_CEILING_SOURCE
 DTYPE_OF = {"fp32": "fp32", "bf16-logits": "bf16", "bf16": "bf16", "fp16": "fp16"}
 BATCH_INVARIANCE_NOTE = ("applied to the whole training forward (no batch-invariance entry in the table; "
                          "vime's strict mode asks the op for bitwise batch invariance)")

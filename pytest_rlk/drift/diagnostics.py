@@ -11,16 +11,21 @@ optimizer step sees under ``--use-rollout-logprobs``):
 * ``approx_kl0 = mean(exp(dlogp) - 1 - dlogp)`` (k3 of the two sides, >= 0);
 * ``abs_diff``: vime's ``train_rollout_logprob_abs_diff`` (the mean over samples of each sample's
   masked token mean of ``|dlogp|``), so numbers compare with vime's logs;
-* the active-token count, both sides' batch-layout fingerprints, and the worst token's metadata.
+* the active-token count, both sides' batch-layout fingerprints, and the worst token's metadata;
+* ``mismatch``: every metric of the mismatch table (pytest_rlk/mismatch/metrics.py), with ``b`` in
+  the place of training and ``a`` in the place of the rollout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from pytest_rlk.mismatch.metrics import mismatch_metrics
 
 SPACE = "logprob"  # natural-log probabilities of the sampled tokens, after temperature
 
@@ -58,6 +63,7 @@ class Diagnostics:
     layout_b: str
     worst: WorstToken
     space: str = SPACE
+    mismatch: dict[str, float] = field(default_factory=dict)  # pytest_rlk.mismatch's table, b vs a
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -98,6 +104,9 @@ def diagnose(logp_a: torch.Tensor, logp_b: torch.Tensor, *, mask: torch.Tensor, 
     for k, i in enumerate(idx):
         per_sample.setdefault(samples[i], []).append(absd[k])
     abs_diff = float(np.mean([np.mean(v) for v in per_sample.values()]))
+    lengths = [len(list(run)) for _, run in itertools.groupby(samples)]
+    table = mismatch_metrics(logp_b.detach().double().cpu(), logp_a.detach().double().cpu(),
+                             (mask.detach().cpu() != 0), lengths=lengths).values()
     return Diagnostics(
         active_tokens=int(active.sum()), abs_mean=float(absd.mean()), abs_max=float(absd.max()),
         abs_p50=float(np.quantile(absd, 0.5)), abs_p90=float(np.quantile(absd, 0.9)),
@@ -106,5 +115,5 @@ def diagnose(logp_a: torch.Tensor, logp_b: torch.Tensor, *, mask: torch.Tensor, 
         clipfrac0=float(clipped.mean()), approx_kl0=float(np.mean(np.expm1(d) - d)),
         eps_clip=eps_clip, eps_clip_high=eps_clip_high, layout_a=layout_a, layout_b=layout_b,
         worst=WorstToken(sample=samples[worst], position=positions[worst], token_id=int(token_ids[worst]),
-                         logp_a=float(a[worst]), logp_b=float(b[worst])))
+                         logp_a=float(a[worst]), logp_b=float(b[worst])), mismatch=table)
 

@@ -7,7 +7,8 @@ Gated against the baseline (``baselines/module/<platform>/...``, written by
 * comparisons with a contract (A0, A1, A2, A4 without a dtype change): also ``<source>.abs_max``
   (for measured rungs the max over one token set is too noisy to gate: it is recorded).
 
-Recorded ungated: the other quantiles, abs_diff, ratio0, clipfrac0, approx_kl0, the active tokens.
+Recorded ungated: the other quantiles, abs_diff, ratio0, clipfrac0, approx_kl0, the active tokens,
+and every metric of the mismatch table as ``<source>.mismatch.<metric>``.
 Tags name the rung, the source, the model, the preconditions' fingerprint and both layouts.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from pytest_rlk.drift.result import Comparison, LadderResult
+from pytest_rlk.mismatch.metrics import BY_NAME as MISMATCH
 
 GATED_ALWAYS = ("abs_mean",)
 GATED_WITH_CONTRACT = ("abs_max",)
@@ -49,6 +51,9 @@ def record_comparison(recorder: Recorder, result: LadderResult, comparison: Comp
     for name in RECORDED + tuple(n for n in GATED_WITH_CONTRACT if n not in gated):
         recorder.record(f"{src}.{name}", getattr(d, name), direction="two_sided" if name in TWO_SIDED else "lower_is_better",
                         space=SPACES.get(name, "logprob"), tags=tags, gate=False)
+    for name, value in d.mismatch.items():
+        recorder.record(f"{src}.mismatch.{name}", value, direction=MISMATCH[name].direction,
+                        space="logprob" if MISMATCH[name].space == "logprob" else "ratio", tags=tags, gate=False)
     recorder.record(f"{src}.active_tokens", d.active_tokens, direction="two_sided", space="count", tags=tags, gate=False)
     return [f"{src}.{n}" for n in gated]
 

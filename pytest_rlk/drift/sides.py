@@ -131,6 +131,15 @@ class TrainingSides:
             raise LadderError(f"{self.model_dir}: the model's logits are not its LM head applied to its final hidden "
                               "states (soft-capping or logit scaling?); the ladder cannot split its forward")
 
+    @torch.no_grad()
+    def response_logits(self, dtype: str = "fp32") -> torch.Tensor:
+        """The response rows' logits [R, V] (upcast to fp32) of the one-micro-batch forward with the
+        weights in ``dtype`` (the semantics rung transforms these)."""
+        if dtype not in WEIGHT_DTYPES:
+            raise LadderError(f"dtype {dtype!r}: not one of {sorted(WEIGHT_DTYPES)}")
+        _, logit_rows, _ = self._forward(self.model(WEIGHT_DTYPES[dtype]), "batch")
+        return torch.cat(logit_rows).float()
+
     # -- forward -----------------------------------------------------------------------------
     @torch.no_grad()
     def _forward(self, model: torch.nn.Module, layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:

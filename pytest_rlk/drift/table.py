@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_rlk.drift.mismatch_table import mismatch_lines
 from pytest_rlk.drift.rungs import RUNGS
 from pytest_rlk.drift.result import Comparison, LadderResult
 
@@ -142,6 +143,7 @@ def render(results: list[LadderResult], *, plot: Path | None = None, plot_note: 
                   f"log-prob space {p['logprob_space']}",
                   "- software: " + ", ".join(f"{k} {v}" for k, v in r.software.items() if v), ""]
         lines += _md(HEADERS, [_row(c) for c in r.comparisons]) + [""]
+        lines += mismatch_lines(r.comparisons)
         lines += ["### Attribution", ""] + attribution_lines(r) + [""]
     if plot is not None:
         lines += [f"![|dlogp| quantiles per rung]({plot.name})", ""]

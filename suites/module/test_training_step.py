@@ -8,6 +8,10 @@ within ``CHAOS_FACTOR`` times the control's distance from the reference, or the 
 where that is larger (``divergence_problems``). A timing breakdown per module (forward, logp,
 ratio_kl, loss, backward, optimizer, step) and, on a GPU, peak memory are recorded per arm with
 tags ``{"module": ..., "arm": ...}``.
+
+Every arm's first step is also held to the step-0 identities (``step0_problems``): the batch's old
+and reference log-probs are the model's own at the start, so ``ppo_kl`` and ``kl_loss`` are 0 and
+the PPO ratio is 1 within the logp and ratio/KL ops' tolerances (slime's step-0 check).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from pytest_rlk.bands import DEFAULT_BANDS
 from pytest_rlk.extras import require_extra
+from pytest_rlk.mismatch import identities
 
 require_extra("transformers")  # tiny real models
 require_extra("tokenizers")
@@ -121,6 +126,21 @@ def divergence_problems(case: StepCase, kernels: Divergence, control: Divergence
     return problems
 
 
+def step0_problems(arm: str, log: train_step.StepLog, n_samples: int) -> list[str]:
+    """The step-0 identities on ``arm``'s first step, from the loss's logged metrics as vime logs them
+    (each a sum over the samples of the sample's mean: divided by the sample count here): ``ppo_kl``,
+    ``kl_loss`` and the ratio (``ois``, the mean of exp(-ppo_kl), logged with --use-tis)."""
+    first = log.metrics[0]
+    missing = [k for k in ("ppo_kl", "kl_loss", "ois") if k not in first]
+    if missing:
+        raise KeyError(f"{arm} arm: the loss logged no {missing} at step 1 (LOSS_FLAGS must keep --use-kl-loss "
+                       "and --use-tis)")
+    means = {k: first[k] / n_samples for k in ("ppo_kl", "kl_loss", "ois")}
+    problems = identities.step0_problems(ppo_kl=means["ppo_kl"], kl_loss=means["kl_loss"], ratio=means["ois"],
+                                         tolerance=identities.step0_tolerance("fp32"))
+    return [f"{arm} arm: {p}" for p in problems]
+
+
 # Stage times gate only for train_step.OP_STAGES, our ops' calls timed by the vime adapter on the
 # device's own clock. The step's other stages (the model's forward and backward, the optimizer, the
 # whole step) are host-synchronized wall times of an eager model, which follow the shared host's
@@ -194,6 +214,14 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, pro
     rlk_metrics.record("first_step_grad_norm_rel_diff", kernels.first_grad_norm_rel, direction="lower_is_better",
                        space="error", tags=tags, gate=ours,
                        band={"abs_floor": case.grad_norm_rtol, "source": "StepCase tolerance"})
+    n_samples = len(batch["response_lengths"])
+    identity_problems = []
+    for arm, log in logs.items():
+        identity_problems += step0_problems(arm, log, n_samples)
+        for name in ("ppo_kl", "kl_loss", "ois"):
+            rlk_metrics.record(f"{arm}_step0_{name}", log.metrics[0][name] / n_samples,
+                               direction="two_sided", space="ratio" if name == "ois" else "logprob",
+                               tags={**tags, "arm": arm}, gate=False)
     for prefix, div in (("", kernels), ("control_", control)):
         for name, value in (("loss_max_abs_diff", div.loss_abs), ("grad_norm_max_rel_diff", div.grad_norm_rel),
                             ("param_drift_rel", div.drift_rel), ("param_max_abs_diff", div.drift_max_abs)):
@@ -208,7 +236,7 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, pro
 
     assert ref.fallbacks == 0 and ker.fallbacks == 0 and logs["control"].fallbacks == 0
     assert len(set(ref.loss)) > 1, f"the loss did not move over {case.steps} steps: {ref.loss}"
-    return divergence_problems(case, kernels, control)
+    return identity_problems + divergence_problems(case, kernels, control)
 
 
 @pytest.mark.tiny
@@ -226,7 +254,8 @@ def test_tiny_training_step_kernels_match_reference(kind, kernels_arm, device, r
 def test_a_kernel_wrong_by_a_thousandth_of_a_log_prob_fails(wrong_backend, turns_gradient, kernels_arm, device,
                                                              rlk_metrics, rlk_progress):
     """The same three arms with a kernels arm whose log-probs are 1e-3 too high: rejected at step 1,
-    where both arms start from the same parameters and differ by the kernel's error alone.
+    where both arms start from the same parameters and differ by the kernel's error alone, and by
+    the step-0 identities (its ppo_kl is the error itself, -1e-3 or -5e-4 against 1e-5).
 
     Every log-prob too high scales the policy gradient (each ratio times e**1e-3), which AdamW's
     normalized update absorbs: on one CPU its parameters drifted 5.8e-4, within the case's 1e-3. Too
@@ -235,6 +264,10 @@ def test_a_kernel_wrong_by_a_thousandth_of_a_log_prob_fails(wrong_backend, turns
     update's drift rejects it too."""
     case = TINY_CASES["dense"]
     problems = run_case(case, device, kernels_arm, rlk_metrics, rlk_progress, kernels_backend=wrong_backend)
+    identity = [p for p in problems if "step-0 identity" in p]
+    problems = [p for p in problems if p not in identity]
+    assert identity and all(p.startswith("kernels arm: step-0 identity") for p in identity), identity
+    assert any("ppo_kl == 0" in p for p in identity) and any("ratio == 1" in p for p in identity), identity
     assert any(p.startswith("step-1 grad norm") for p in problems), problems
     assert all("control arm" in p for p in problems if not p.startswith("step-1 ")), problems
     control_drift = rlk_metrics.metrics["control_param_drift_rel"].value

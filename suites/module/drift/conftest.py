@@ -31,3 +31,20 @@ def ladders(drift_cases):
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def mismatch_rollouts(tmp_path_factory):
+    """The semantics rung's and the precision matrix's rollouts (suites/module/drift/mismatch_cases.py):
+    one vLLM child, two engine loads, shared by their tests; skipped without vLLM (both measure the
+    engine's own log-probs)."""
+    from pytest_rlk.drift.rollout import RolloutError, vllm_missing_reason
+    from suites.module.drift import mismatch_cases
+
+    reason = vllm_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        return mismatch_cases.roll_out(tmp_path_factory.mktemp("mismatch-rollouts"))
+    except RolloutError as exc:
+        pytest.fail(str(exc), pytrace=False)

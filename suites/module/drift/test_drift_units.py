@@ -144,7 +144,25 @@ def test_result_round_trips_through_json(tmp_path):
     paths = write_outputs([result], tmp_path, plot=False)
     (back,) = load_results(paths["json"])
     assert back.to_dict() == result.to_dict()
-    assert "| A3 | bf16 | dtype: fp32 -> bf16 |" in paths["table"].read_text()
+    text = paths["table"].read_text()
+    assert "| A3 | bf16 | dtype: fp32 -> bf16 |" in text
+    # every comparison's row of the mismatch section carries every metric of the mismatch table
+    from pytest_rlk.mismatch.metrics import METRIC_NAMES
+
+    section = text[text.index("### Mismatch metrics"):]
+    assert "| rung | source | " + " | ".join(METRIC_NAMES) + " |" in section
+    for c in result.comparisons:
+        assert set(c.diagnostics.mismatch) == set(METRIC_NAMES)
+        row = next(line for line in section.splitlines() if line.startswith(f"| {c.spec.rung} | {c.spec.source} |"))
+        assert row.count("|") == len(METRIC_NAMES) + 3 and " - " not in row
+
+
+def test_diagnostics_carry_the_mismatch_table():
+    d = _diag([-1.0, -2.0, -3.0, -4.0], [-1.0, -1.9, -3.3, -3.5], samples=[0, 0, 1, 1])
+    m = d.mismatch
+    assert m["logp_abs_mean"] == pytest.approx(d.abs_mean) and m["logp_abs_max"] == pytest.approx(d.abs_max)
+    assert m["train_rollout_logprob_abs_diff"] == pytest.approx(d.abs_diff)
+    assert m["kl_k3"] == pytest.approx(d.approx_kl0) and m["is_weight_mean"] == pytest.approx(d.ratio0_mean)
 
 
 def test_a_case_the_backend_cannot_serve_makes_the_side_unavailable(monkeypatch):
