@@ -30,6 +30,7 @@ from trl import GRPOTrainer
 
 import kernels
 from pytest_rlk.e2e import metrics as m
+from pytest_rlk.platform import cpu_model
 from pytest_rlk.e2e.engines.trl.series import PROGRESS_PREFIX, step_line
 from pytest_rlk.e2e.engines.trl.settings import TrlSettings
 
@@ -47,7 +48,7 @@ def peak_memory_mib(device: str) -> tuple[str, float]:
 def hardware(device: str) -> str:
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, CUDA {torch.version.cuda}"
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    return f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores"
 
 
 def masked_sample_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
