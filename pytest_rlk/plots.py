@@ -38,14 +38,15 @@ from pytest_rlk.schema import MetricRecord, RunRecord
 
 DPI = 90
 MAX_WIDTH_PX = 2000
-MAX_CHARTS = 36
-WIDTH_IN = 10.0
+MAX_CHARTS = 24
+AXES_IN = 6.5  # the width of a chart's axes; the labels and the legend get room beside them
 ROWS_PER_CHART = 40
-MARGIN_ROWS = 30
+MARGIN_ROWS = 25
 ROW_IN = 0.24
 ARM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 LABEL_CHARS = 56
 LEGEND_CHARS = 44
+CHAR_IN = {"x-small": 0.056, "small": 0.068}  # the width of an average character of the tick fonts at DPI
 
 # sections in the order the report shows them
 MARGINS = "Errors against tolerance"
@@ -77,13 +78,29 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:120] or "plot"
 
 
+def _layout(fig: Figure, ax, *, label_chars: int = 0, legend_chars: int = 0, label_size: str = "x-small") -> None:
+    """Room for the y tick labels, the title and a legend beside the axes, worked out from their
+    lengths: no layout pass (matplotlib's tight layouts draw the figure once more to measure it)."""
+    per_char = CHAR_IN[label_size]
+    width, height = fig.get_size_inches()
+    left = 0.45 + per_char * label_chars
+    right = 0.2 + (CHAR_IN["x-small"] * legend_chars + 0.6 if legend_chars else 0.0)
+    title_lines = ax.get_title().count("\n") + 1 if ax.get_title() else 0
+    top, bottom = 0.15 + 0.22 * title_lines, 0.6
+    fig.set_size_inches(min(width + left + right, MAX_WIDTH_PX / DPI), height + top + bottom)
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height)
+
+
+def _legend_chars(ax) -> int:
+    handles, labels = ax.get_legend_handles_labels()
+    return max((len(line) for label in labels for line in label.split("\n")), default=0)
+
+
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    width, height = fig.get_size_inches()
-    if width * DPI > MAX_WIDTH_PX:
-        fig.set_size_inches(MAX_WIDTH_PX / DPI, height)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight", pad_inches=0.1)  # "tight": a legend beside the axes
+    fig.savefig(buffer, format="png", dpi=DPI)
     buffer.seek(0)
     # a palette of 256 colours: a third of the bytes of full colour, for a page with every chart inlined
     Image.open(buffer).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(path, format="PNG")
@@ -141,7 +158,7 @@ def plot_margin(tier: str, rows: list[Margin], path: Path) -> Path:
     shown = nonzero[:MARGIN_ROWS]
     labels = [f"{r.case} · {r.metric}" for r in shown]
     prefix, labels = _strip_common(labels)
-    fig = Figure(figsize=(WIDTH_IN, 1.6 + ROW_IN * max(1, len(shown))))
+    fig = Figure(figsize=(AXES_IN, 0.4 + ROW_IN * max(1, len(shown))))
     ax = fig.add_subplot()
     ys = list(range(len(shown)))[::-1]
     ratios = [r.ratio for r in shown]
@@ -163,6 +180,7 @@ def plot_margin(tier: str, rows: list[Margin], path: Path) -> Path:
         title += f"\ncases: {_short(prefix, 90)}…"
     ax.set_title(title, fontsize="medium")
     ax.legend(fontsize="x-small", loc="lower right")
+    _layout(fig, ax, label_chars=max((len(_short(label, 70)) for label in labels), default=0))
     return _save(fig, path)
 
 
@@ -200,7 +218,7 @@ def plot_arms_over_steps(lines: Sequence[tuple[str, str, Sequence[float]]], *, s
     prefix, short_cases = _strip_common(cases)
     shown = dict(zip(cases, short_cases))
     styles = ("-", "--", ":", "-.")
-    fig = Figure(figsize=(WIDTH_IN, 4.2 + 0.12 * max(0, len(lines) - 8)))
+    fig = Figure(figsize=(AXES_IN, 3.2 + 0.12 * max(0, len(lines) - 8)))
     ax = fig.add_subplot()
     for case, arm, values in lines:
         label = arm if len(cases) == 1 else _wrapped(f"{shown[case]} / {arm}")
@@ -216,6 +234,7 @@ def plot_arms_over_steps(lines: Sequence[tuple[str, str, Sequence[float]]], *, s
     subtitle = cases[0] if len(cases) == 1 else f"cases: {prefix}…" if prefix else ""
     ax.set_title(f"{title}\n{_short(subtitle, 90)}" if subtitle else title, fontsize="medium")
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=8, legend_chars=_legend_chars(ax))
     return _save(fig, path)
 
 
@@ -223,7 +242,7 @@ def _grouped_bars(title: str, xlabel: str, rows: list[str], groups: list[str],
                   values: dict[tuple[str, str], float], path: Path) -> Path:
     """Horizontal bars: one row per ``rows`` entry, one bar per group in it."""
     prefix, labels = _strip_common(rows)
-    fig = Figure(figsize=(WIDTH_IN, 1.4 + ROW_IN * max(1, len(rows)) * max(1, len(groups)) * 0.8))
+    fig = Figure(figsize=(AXES_IN, 0.4 + ROW_IN * max(1, len(rows)) * max(1, len(groups)) * 0.8))
     ax = fig.add_subplot()
     height = 0.8 / max(1, len(groups))
     for g, group in enumerate(groups):
@@ -239,6 +258,8 @@ def _grouped_bars(title: str, xlabel: str, rows: list[str], groups: list[str],
     ax.set_title(title + (f"\ncases: {_short(prefix, 90)}…" if prefix else ""), fontsize="medium")
     if len(groups) > 1:
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=max((len(_short(label)) for label in labels), default=0),
+            legend_chars=_legend_chars(ax) if len(groups) > 1 else 0)
     return _save(fig, path)
 
 
@@ -301,7 +322,7 @@ def plot_time_breakdown(found: TimeBreakdown, path: Path) -> Path:
     labels = [f"{case} / {arm}" if arm else case for case, arm in keys]
     prefix, labels = _strip_common(labels)
     unit = units.pop() if len(units) == 1 else ""
-    fig = Figure(figsize=(WIDTH_IN, 1.8 + 0.42 * len(keys)))
+    fig = Figure(figsize=(AXES_IN, 0.6 + 0.42 * len(keys)))
     ax = fig.add_subplot()
     ys = list(range(len(keys)))[::-1]
     left = [0.0] * len(keys)
@@ -317,6 +338,8 @@ def plot_time_breakdown(found: TimeBreakdown, path: Path) -> Path:
     ax.set_xlabel(f"median time per step after warmup{f' [{unit}]' if unit else ''}")
     ax.set_title("time per step by part" + (f"\ncases: {_short(prefix, 90)}…" if prefix else ""), fontsize="medium")
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=max((len(_short(label)) for label in labels), default=0), label_size="small",
+            legend_chars=_legend_chars(ax))
     return _save(fig, path)
 
 
