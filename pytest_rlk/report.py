@@ -70,7 +70,7 @@ def contents(sections: list[str]) -> list[str]:
 def summary(run: RunRecord, data: ReportData) -> list[str]:
     m = run.manifest
     outcomes = Counter(t.outcome for t in run.tests)
-    lines = [f"## {VERDICT}", "", verdict_line(run), "",
+    lines = [f"## {VERDICT}", "",
              f"- run `{m.run_id}`: {run.describe_status()} (exit status {run.exit_status}); "
              f"platform {m.platform.tag} ({m.platform.describe()}); tiers {', '.join(m.tiers)}",
              "- tests: " + (", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) or "none recorded")
@@ -120,8 +120,8 @@ def failures_section(run: RunRecord, data: ReportData) -> list[str]:
             ["case", "metric", "baseline", "new", "verdict", "detail"], problems) + [""]
     if data.injected:
         lines += ["### Injected faults", "",
-                  f"Each test below runs a deliberately wrong part: {INJECTED}. Its charts and values are not "
-                  "among the real cases'.", ""]
+                  f"Each test below runs a deliberately wrong part: {INJECTED}. Their metrics are kept out of "
+                  "the real cases' charts and tables.", ""]
         rows = []
         for t in data.injected:
             over = [mm for mm in t.metrics if not mm.is_series and is_error(mm) and tolerance(mm) is not None

@@ -23,7 +23,7 @@ p.verdict.fail { background: #fde8e8; }
 table { border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0; width: 100%; }
 th, td { border: 1px solid #ddd; padding: 2px 5px; text-align: left; vertical-align: top;
          overflow-wrap: anywhere; word-break: break-word; }
-th { background: #f4f4f4; } tr.regression td { background: #fde8e8; }
+th { background: #f4f4f4; overflow-wrap: normal; word-break: normal; } tr.regression td { background: #fde8e8; }
 code, pre { background: #f6f6f6; font-size: 0.85em; } pre { padding: 0.5em; overflow-x: auto; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 0.85em; color: #555; }
