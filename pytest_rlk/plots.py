@@ -20,7 +20,6 @@ import io
 import math
 import os
 import re
-import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
