@@ -24,6 +24,7 @@ from pytest_rlk.table import comparison_row, exercised_backends, fmt
 
 GATE_HEADERS = ("case", "metric", "baseline", "new", "delta", "band", "verdict", "band source")
 METRICS_CSV = "metrics.csv"
+FIRST_LINE_CHARS = 160  # a failure's first line beside its test; the whole message follows in a block
 VERDICT = "Verdict"
 FAILURES = "Failures and regressions"
 GATE = "Gate"
@@ -113,7 +114,8 @@ def failures_section(run: RunRecord, data: ReportData) -> list[str]:
         lines += ["None among the real cases: every test that ran passed and every gated metric is within its band.", ""]
     for t in failed:
         message = (t.failure or "(no message recorded)").splitlines()
-        lines += [f"- `{t.nodeid}` ({t.outcome}): {message[0]}", "", "  ```", *(f"  {line}" for line in message),
+        first = message[0] if len(message[0]) <= FIRST_LINE_CHARS else message[0][:FIRST_LINE_CHARS - 1] + "…"
+        lines += [f"- `{t.nodeid}` ({t.outcome}): {first}", "", "  ```", *(f"  {line}" for line in message),
                   "  ```", ""]
     if problems:
         lines += ["### Regressions and other gate findings", ""] + md_table(

@@ -23,6 +23,7 @@ p.verdict.fail { background: #fde8e8; }
 table { border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0; width: 100%; }
 th, td { border: 1px solid #ddd; padding: 2px 5px; text-align: left; vertical-align: top;
          overflow-wrap: anywhere; word-break: break-word; }
+td.n { white-space: nowrap; overflow-wrap: normal; word-break: normal; }
 th { background: #f4f4f4; overflow-wrap: normal; word-break: normal; } tr.regression td { background: #fde8e8; }
 code, pre { background: #f6f6f6; font-size: 0.85em; } pre { padding: 0.5em; overflow-x: auto; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
@@ -47,6 +48,7 @@ def _inline(text: str) -> str:
 
 
 _NUMBERED = re.compile(r"^\d+\. ")
+_NUMBER = re.compile(r"[-+±]?\d[\d.,]*(e[+-]?\d+)?(x|%)?")  # a number cell: never broken over lines
 
 
 def _item(line: str) -> str | None:
@@ -66,7 +68,8 @@ def _table(lines: list[str]) -> str:
     rows = []
     for cells in body:
         row = '<tr class="regression">' if any(c in _BAD_VERDICTS for c in cells) else "<tr>"
-        rows.append(row + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>")
+        rows.append(row + "".join(f'<td class="n">{_inline(c)}</td>' if _NUMBER.fullmatch(c) else f"<td>{_inline(c)}</td>"
+                                  for c in cells) + "</tr>")
     return ("<div><table><thead><tr>" + "".join(f"<th>{_inline(h)}</th>" for h in head) + "</tr></thead><tbody>"
             + "".join(rows) + "</tbody></table></div>")
 

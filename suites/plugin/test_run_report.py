@@ -163,6 +163,7 @@ def test_html_page_is_self_contained_with_anchors_and_tables_that_wrap(report):
     assert any("loss_max_abs_diff" in row and "<td>regression</td>" in row for row in regression_rows)
     assert page.index('<p class="verdict fail"><strong>FAIL</strong>') < page.index("<h2")  # first on the page
     assert "overflow-wrap: anywhere" in page and "width: 100%" in page  # cells wrap to the page
+    assert '<td class="n">2e-07</td>' in page and "td.n { white-space: nowrap;" in page  # numbers never break
     assert not re.search(r'(src|href)="(?!data:|#)', page)  # nothing outside the file
 
 
