@@ -138,3 +138,16 @@ def test_report_only_metrics_have_units_and_are_never_gated():
         assert policy.unit == unit and policy.group == "report" and not policy.gated
         assert not policy.live and not policy.replay_per_step
     assert m.ENTROPY in m.NEVER_COMPARED and m.ENTROPY_LOSS in m.NEVER_COMPARED
+
+
+def test_the_cpu_is_named_by_its_model_not_its_architecture():
+    from pathlib import Path
+
+    from pytest_rlk.platform import cpu_model
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    if not names:
+        pytest.skip("this machine's /proc/cpuinfo names no CPU model")
+    assert cpu_model() == names[0]

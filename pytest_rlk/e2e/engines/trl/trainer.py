@@ -30,9 +30,9 @@ from trl import GRPOTrainer
 
 import kernels
 from pytest_rlk.e2e import metrics as m
-from pytest_rlk.platform import cpu_model
 from pytest_rlk.e2e.engines.trl.series import PROGRESS_PREFIX, step_line
 from pytest_rlk.e2e.engines.trl.settings import TrlSettings
+from pytest_rlk.platform import cpu_model
 
 # TRL's own train/rollout drift with a vLLM rollout: the token mean over the batch of
 # |log-prob of the training forward (its old_per_token_logps) - vLLM's sampling log-prob|.
