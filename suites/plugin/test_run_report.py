@@ -185,26 +185,45 @@ def test_legend_entries_are_wrapped_whole():
     assert "".join(lines) == label and all(len(line) <= 30 for line in lines)
 
 
-def test_a_run_of_many_one_value_metrics_stays_a_small_page(tmp_path):
-    """Three hundred cases, each with its own one-value metrics and an error against a tolerance:
-    one margin chart for the tier and one table, not a chart per metric name."""
+def _one_tier_run(values: list[dict[str, float]]):
+    """A run of the op tier: one test per entry of ``values``, each metric one value; names ending
+    ``_err`` are errors with a tolerance of 1e-4."""
     from pytest_rlk.recorder import MetricRecorder
-    from pytest_rlk.report import write_report
     from pytest_rlk.schema import PlatformInfo, RunManifest, RunRecord, TestRecord
 
     tests = []
-    for i in range(300):
+    for i, metrics in enumerate(values):
         rec = MetricRecorder(f"suites/op/test_many.py::test_case[{i}]", tier="op", artifact_root=None)
-        rec.record(f"only_here_{i % 150}_count", float(i), direction="two_sided", space="count", gate=False)
-        rec.record("logp_max_abs_err", 1e-7 * (i + 1), direction="lower_is_better", space="error", gate=False,
-                   band={"abs_floor": 1e-4, "source": "kernels.tolerances"})
+        for name, value in metrics.items():
+            error = name.endswith("_err")
+            rec.record(name, value, direction="lower_is_better" if error else "two_sided",
+                       space="error" if error else "count", gate=False,
+                       band={"abs_floor": 1e-4, "source": "kernels.tolerances"} if error else None)
         tests.append(TestRecord(nodeid=rec.nodeid, case=rec.case, tier="op", outcome="passed",
                                 metrics=list(rec.metrics.values())))
     platform = PlatformInfo(tag="cpu", detected_tag="cpu", device_name="cpu", device_count=0, memory_bytes=0)
     manifest = RunManifest(run_id="20261207T000000Z-many", created_utc="2026-12-07T00:00:00Z", argv=[],
                            tiers=["op"], platform=platform, software={})
-    write_report(RunRecord(manifest=manifest, status="complete", exit_status=0, tests=tests), tmp_path)
+    return RunRecord(manifest=manifest, status="complete", exit_status=0, tests=tests)
+
+
+def test_a_run_of_many_one_value_metrics_stays_a_small_page(tmp_path):
+    """Three hundred cases, each with its own one-value metrics and an error against a tolerance:
+    one margin chart for the tier and one table, not a chart per metric name."""
+    from pytest_rlk.report import write_report
+
+    write_report(_one_tier_run([{f"only_here_{i % 150}_count": float(i), "logp_max_abs_err": 1e-7 * (i + 1)}
+                                for i in range(300)]), tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["margins_op.png"]
     text = (tmp_path / "report.md").read_text()
     assert text.count("| only_here_") == 150 and "worst: test_many.test_case-299 logp_max_abs_err at 0.3 of" in text
     assert (tmp_path / "report.html").stat().st_size < 200_000
+
+
+def test_errors_that_are_all_zero_draw_no_chart_but_say_so(tmp_path):
+    from pytest_rlk.plots import plot_run
+
+    charts = plot_run(_one_tier_run([{"logp_max_abs_err": 0.0}, {"logp_max_abs_err": 0.0}]), tmp_path)
+    assert [(c.path, c.caption) for c in charts] == [
+        (None, "tier op: all 2 errors with a tolerance are exactly 0 (no chart)")]
+    assert not list(tmp_path.glob("*.png"))
