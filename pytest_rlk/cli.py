@@ -203,8 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.set_defaults(func=cmd_diff)
 
     report = sub.add_parser("report", help="write report.md and PNG plots for a run")
-    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'; or the directory of an "
-                                                   "A/B run (rlk e2e run --out DIR)")
+    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
                         help="also write/update the run platform's roofline section of MD "
