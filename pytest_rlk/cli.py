@@ -110,9 +110,9 @@ def _ab_dir(arg: str) -> Path | None:
     path = Path(arg)
     if not path.is_dir() or (path / storage.RUN_FILE).exists():
         return None
-    from pytest_rlk.e2e.outcome import RESULT_FILE
+    from pytest_rlk.e2e.outcome import RESULT_FILE, SPEC_FILE
 
-    return path if (path / RESULT_FILE).exists() else None
+    return path if (path / RESULT_FILE).exists() or (path / SPEC_FILE).exists() else None
 
 
 def _report_ab(args: argparse.Namespace, ab_dir: Path) -> int:
@@ -122,7 +122,11 @@ def _report_ab(args: argparse.Namespace, ab_dir: Path) -> int:
                               "plots and holds no benchmark timings")
     from pytest_rlk.e2e.outcome import report_ab_dir
 
-    _, paths = report_ab_dir(ab_dir, args.output)
+    try:
+        _, paths = report_ab_dir(ab_dir, args.output)
+    except FileNotFoundError as exc:  # an A/B run that did not finish: no ab_result.json
+        print(f"rlk: error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {paths.markdown} and {paths.html} (one file, plots inlined): A/B report of {ab_dir}")
     return 0
 

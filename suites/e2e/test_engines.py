@@ -66,6 +66,9 @@ def test_rlk_report_takes_an_ab_directory(fake_engine, tmp_path, capsys):
         "## Reproduce", 1)[0]  # the same arms, read back
     assert rlk_main(["report", str(out), "--no-plots"]) == 2
     assert "--no-plots: " in capsys.readouterr().err
+    (out / "ab_result.json").unlink()  # as a run stopped before its end leaves it
+    assert rlk_main(["report", str(out)]) == 2
+    assert f"{out / 'ab_result.json'}: no A/B result" in capsys.readouterr().err
 
 
 def test_a_kernel_arm_env_that_lowers_the_reward_fails_the_gate(fake_engine, tmp_path):
