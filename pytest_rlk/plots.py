@@ -44,6 +44,7 @@ MARGIN_ROWS = 25
 ROW_IN = 0.24
 ARM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 LABEL_CHARS = 56
+TICK_CHARS = 80  # a y tick label: its room beside the axes is made to fit (_layout)
 LEGEND_CHARS = 44
 CHAR_IN = {"x-small": 0.056, "small": 0.068}  # the width of an average character of the tick fonts at DPI
 
@@ -252,12 +253,12 @@ def _grouped_bars(title: str, xlabel: str, rows: list[str], groups: list[str],
     if positive and max(positive) / min(positive) > 100 and all(v >= 0 for v in values.values()):
         ax.set_xscale("log")
         xlabel += " (log scale)"
-    ax.set_yticks(list(range(len(rows)))[::-1], [_short(label) for label in labels], fontsize="x-small")
+    ax.set_yticks(list(range(len(rows)))[::-1], [_short(label, TICK_CHARS) for label in labels], fontsize="x-small")
     ax.set_xlabel(xlabel)
     ax.set_title(title + (f"\ncases: {_short(prefix, 90)}…" if prefix else ""), fontsize="medium")
     if len(groups) > 1:
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    _layout(fig, ax, label_chars=max((len(_short(label)) for label in labels), default=0),
+    _layout(fig, ax, label_chars=max((len(_short(label, TICK_CHARS)) for label in labels), default=0),
             legend_chars=_legend_chars(ax) if len(groups) > 1 else 0)
     return _save(fig, path)
 
@@ -333,11 +334,11 @@ def plot_time_breakdown(found: TimeBreakdown, path: Path) -> Path:
     if marked:
         ax.scatter([w for _, w in marked], [y for y, _ in marked], marker="|", s=500, color="black", zorder=3,
                    label="whole step (measured)")
-    ax.set_yticks(ys, [_short(label) for label in labels], fontsize="small")
+    ax.set_yticks(ys, [_short(label, TICK_CHARS) for label in labels], fontsize="small")
     ax.set_xlabel(f"median time per step after warmup{f' [{unit}]' if unit else ''}")
     ax.set_title("time per step by part" + (f"\ncases: {_short(prefix, 90)}…" if prefix else ""), fontsize="medium")
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    _layout(fig, ax, label_chars=max((len(_short(label)) for label in labels), default=0), label_size="small",
+    _layout(fig, ax, label_chars=max((len(_short(label, TICK_CHARS)) for label in labels), default=0), label_size="small",
             legend_chars=_legend_chars(ax))
     return _save(fig, path)
 
