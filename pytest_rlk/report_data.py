@@ -99,7 +99,7 @@ def _tier(test: TestRecord) -> str:
     return test.tier or "untiered"
 
 
-def _is_perf(test: TestRecord, metric: MetricRecord, perf_names: set[str]) -> bool:
+def _is_perf(metric: MetricRecord, perf_names: set[str]) -> bool:
     return metric.name in perf_names or "impl" in metric.tags
 
 
@@ -131,7 +131,7 @@ def report_data(run: RunRecord) -> ReportData:
                                                    m.band.source if m.band else ""))
             elif split is not None and not is_error(m):
                 arm_scalars[(test.case, split[0])][split[1]] = float(m.value)
-            elif not _is_perf(test, m, perf_names):
+            elif not _is_perf(m, perf_names):
                 values[m.name].append((case_label(test.case, m), m))
     data.margins = {tier: sorted(rows, key=lambda r: -r.ratio) for tier, rows in sorted(margins.items())}
     data.arm_series = {name: rows for name, rows in sorted(arm_series.items()) if len({a for _, a, _ in rows}) > 1}
