@@ -2,9 +2,10 @@
 same page as one self-contained ``report.html`` (charts inlined: the form CI systems publish),
 and every metric in ``metrics.csv``.
 
-The page reads top-down: the verdict (its first lines), then failures and regressions, the gate
-table, skips by cause, performance and A/B values, the single values as one table, and last the
-charts, under a table of contents. Where each metric goes is :mod:`pytest_rlk.report_data`'s
+The page reads top-down: the verdict (its first lines), then failures (one line each) and
+regressions, the gate table, skips by cause, performance and A/B values, the single values as one
+table, the charts, and last each failure's whole message and the run's provenance, under a table
+of contents. Where each metric goes is :mod:`pytest_rlk.report_data`'s
 call; tests marked ``injected_fault`` are listed apart from real cases. matplotlib is imported
 only when charts are drawn: ``--no-plots`` reports on machines without it, and says so.
 """
@@ -32,6 +33,7 @@ SKIPPED = "Skipped, by cause"
 PERFORMANCE = "Performance and A/B"
 VALUES = "Single values"
 CHARTS = "Charts"
+MESSAGES = "Failure messages"
 RUN = "Run"
 _FINDINGS = (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.IMPROVED, Verdict.UNGATED)
 
@@ -113,10 +115,11 @@ def failures_section(run: RunRecord, data: ReportData) -> list[str]:
     if not failed and not problems:
         lines += ["None among the real cases: every test that ran passed and every gated metric is within its band.", ""]
     for t in failed:
-        message = (t.failure or "(no message recorded)").splitlines()
-        first = message[0] if len(message[0]) <= FIRST_LINE_CHARS else message[0][:FIRST_LINE_CHARS - 1] + "…"
-        lines += [f"- `{t.nodeid}` ({t.outcome}): {first}", "", "  ```", *(f"  {line}" for line in message),
-                  "  ```", ""]
+        first = (t.failure or "(no message recorded)").splitlines()[0]
+        first = first if len(first) <= FIRST_LINE_CHARS else first[:FIRST_LINE_CHARS - 1] + "…"
+        lines.append(f"- `{t.nodeid}` ({t.outcome}): {first}")
+    if failed:
+        lines += ["", f"Each failure's whole message: [{MESSAGES}](#{anchor(MESSAGES)}).", ""]
     if problems:
         lines += ["### Regressions and other gate findings", ""] + md_table(
             ["case", "metric", "baseline", "new", "verdict", "detail"], problems) + [""]
@@ -215,6 +218,17 @@ def charts_section(charts) -> list[str]:
     return lines
 
 
+def messages_section(run: RunRecord) -> list[str]:
+    failed = [t for t in run.tests if t.outcome in ("failed", "error")]
+    if not failed:
+        return []
+    lines = [f"## {MESSAGES}", ""]
+    for t in failed:
+        message = (t.failure or "(no message recorded)").splitlines()
+        lines += [f"- `{t.nodeid}` ({t.outcome})", "", "  ```", *(f"  {line}" for line in message), "  ```", ""]
+    return lines
+
+
 def run_section(run: RunRecord) -> list[str]:
     m = run.manifest
     return [f"## {RUN}", "",
@@ -232,7 +246,8 @@ def render(run: RunRecord, charts, data: ReportData | None = None) -> str:
     """``charts`` None: not drawn (``--no-plots``)."""
     data = data if data is not None else report_data(run)
     parts = [summary(run, data), failures_section(run, data), gate_section(run), skipped_section(run),
-             performance_section(run, data), values_section(data), charts_section(charts), run_section(run)]
+             performance_section(run, data), values_section(data), charts_section(charts), messages_section(run),
+             run_section(run)]
     sections = [p[0][3:] for p in parts if p]
     lines = [f"# rlk run {run.manifest.run_id}", "", verdict_line(run), ""] + contents(sections)
     for part in parts:

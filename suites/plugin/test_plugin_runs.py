@@ -131,7 +131,7 @@ def test_c_crashes():
     assert 'assert worst["max_abs_err"] < 1e-3' in failed.failure
     assert cli.main(["report", str(run_dir), "--no-plots"]) == 0
     report = (run_dir / "report" / "report.md").read_text()
-    failed_section = report.split("## Failures and regressions", 1)[1]
+    failed_section = report.split("## Failure messages", 1)[1]
     assert "`suites/op/test_crash.py::test_b_fails` (failed)" in failed_section
     assert "AssertionError: logp off by 0.25" in failed_section
 

@@ -89,7 +89,7 @@ def test_report_reads_top_down(report):
     assert lines[2] == "**FAIL**: 3 failed tests, 2 gate regressions"  # the verdict, before anything else
     headings = [line for line in lines if line.startswith("## ")]
     assert headings == ["## Verdict", "## Failures and regressions", "## Gate", "## Skipped, by cause",
-                        "## Performance and A/B", "## Single values", "## Charts", "## Run"]
+                        "## Performance and A/B", "## Single values", "## Charts", "## Failure messages", "## Run"]
     assert lines[4] == "Contents: " + " · ".join(f"[{h[3:]}](#{anchor(h[3:])})" for h in headings)
     summary = text.split("## Verdict", 1)[1].split("## Failures", 1)[0]
     assert "- tests: 3 failed, 2 passed, 2 skipped (1 of them with an injected fault, listed apart)" in summary
@@ -99,6 +99,9 @@ def test_report_reads_top_down(report):
     failures = text.split("## Failures and regressions", 1)[1].split("## Gate", 1)[0]
     assert "| test_ab.test_training-dense | loss_max_abs_diff | 2e-07 | 0.0002 | regression |" in failures
     assert "- `suites/module/test_ab.py::test_broken` (failed): AssertionError: arithmetic is off" in failures
+    assert "```" not in failures  # one line per failure up here; the whole message comes last
+    messages = text.split("## Failure messages", 1)[1].split("## Run", 1)[0]
+    assert "- `suites/module/test_ab.py::test_broken` (failed)\n\n  ```\n  AssertionError: arithmetic is off" in messages
 
 
 def test_gate_table_names_each_case_once_and_its_band_sources_as_notes(report):
@@ -127,7 +130,7 @@ def test_errors_become_one_margin_chart_per_tier_and_single_values_one_table(rep
     text = (report / "report.md").read_text()
     pngs = sorted(p.name for p in report.glob("*.png"))
     assert pngs == ["arms_loss.png", "arms_step_ms.png", "margins_module.png", "time_breakdown.png"]
-    charts = text.split("## Charts", 1)[1].split("## Run", 1)[0]
+    charts = text.split("## Charts", 1)[1].split("## Failure messages", 1)[0]
     assert [line for line in charts.splitlines() if line.startswith("### ")] == [
         "### Errors against tolerance", "### A/B arms", "### Time breakdown", "### Series over steps"]
     assert ("*tier module: each case's error divided by its tolerance, worst first; worst: test_ab.test_training-dense "
