@@ -109,9 +109,38 @@ def cmd_diff(args: argparse.Namespace) -> int:
                       require_baselines=args.require_baselines)
 
 
+def _ab_dir(arg: str) -> Path | None:
+    """``arg`` as the directory of an A/B run (``rlk e2e run --out DIR``), else None."""
+    path = Path(arg)
+    if not path.is_dir() or (path / storage.RUN_FILE).exists():
+        return None
+    from pytest_rlk.e2e.outcome import RESULT_FILE, SPEC_FILE
+
+    return path if (path / RESULT_FILE).exists() or (path / SPEC_FILE).exists() else None
+
+
+def _report_ab(args: argparse.Namespace, ab_dir: Path) -> int:
+    for flag, given in (("--performance", args.performance is not None), ("--no-plots", args.no_plots)):
+        if given:
+            raise OptionError(f"{flag}: {ab_dir} is an A/B directory (rlk e2e run); its report always draws its "
+                              "plots and holds no benchmark timings")
+    from pytest_rlk.e2e.outcome import report_ab_dir
+
+    try:
+        _, paths = report_ab_dir(ab_dir, args.output)
+    except FileNotFoundError as exc:  # an A/B run that did not finish: no ab_result.json
+        print(f"rlk: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {paths.markdown} and {paths.html} (one file, plots inlined): A/B report of {ab_dir}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from pytest_rlk.report import write_report
 
+    ab_dir = _ab_dir(args.run)
+    if ab_dir is not None:
+        return _report_ab(args, ab_dir)
     run_path, run = _load_run(args.run, args.artifacts)
     out = args.output or run_path.parent / "report"
     path = write_report(run, out, plots=not args.no_plots)

@@ -40,6 +40,8 @@ MARKERS: dict[str, str] = {
     "moe": "exercises a mixture-of-experts model",
     "r3": "exercises rollout routing replay (R3)",
     "tiny": "uses a tiny random model built from a config (always servable)",
+    "injected_fault(what)": "runs a deliberately wrong part (what: e.g. 'log-probs 1e-3 too high'): its metrics "
+                            "are expected to fail their gate, and the run report keeps them apart from real cases",
 }
 
 

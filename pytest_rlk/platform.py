@@ -4,7 +4,9 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import platform as py_platform
 import sys
+from pathlib import Path
 
 from pytest_rlk.schema import DeviceInfo, PlatformInfo
 
@@ -19,6 +21,19 @@ _NAME_TAGS: tuple[tuple[str, str], ...] = (
 _CAPABILITY_TAGS = {(8, 0): "a100", (10, 0): "gb200"}
 # Hopper parts: H100 has 80/94 GB, H200 141 GB (torch reports ~85e9 and ~150e9 bytes).
 _H200_MIN_BYTES = 120e9
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows (often only the
+    architecture)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return py_platform.processor() or py_platform.machine() or "unknown CPU"
 
 
 def tag_for(name: str, capability: tuple[int, int] | None, memory_bytes: int) -> str:

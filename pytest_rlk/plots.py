@@ -1,73 +1,109 @@
 """PNG charts of a run, grouped by what they show, each with a caption (matplotlib's Agg canvas
-directly: no global backend switch). No chart is wider than ``MAX_WIDTH_PX``; long lists of cases
-are split over several charts of at most ``ROWS_PER_CHART`` rows.
+directly: no global backend switch). Where each metric goes is :mod:`pytest_rlk.report_data`'s
+call; no chart is wider than ``MAX_WIDTH_PX``, and a run draws at most ``MAX_CHARTS`` (the rest
+are named in the report, their values in ``metrics.csv``).
 
-- errors vs tolerance: one chart per error metric, a horizontal bar per case on a log scale,
-  each case's tolerance (its band's ``abs_floor``) drawn as a red tick (a line when all share it);
-- A/B arms: metrics of several arms (tag ``arm``, named ``<arm>_<name>`` or ``<arm>.<name>``) on
-  one chart per name: series over steps with the warmup (the window's ``skip``) shaded, scalars
-  as grouped bars;
+- margins: one chart per tier, error / tolerance per case on a log scale, sorted, the worst
+  ``MARGIN_ROWS`` named (the rest counted);
+- A/B arms: series of several arms overlaid per name, the warmup (the window's ``skip``) shaded,
+  the legend beside the axes with the cases' full names;
 - time breakdown: per case and arm, the parts of a step (time metrics tagged ``module``) stacked,
   the whole step (module ``step``/``total``) a black mark beside them, never stacked on its parts;
-- other series and scalars, memory, and the benchmark times (log scale).
+- other series, and the benchmark times (log scale).
+
+A chart whose values are all 0 is not drawn: the report says so in a line.
+Tests marked ``injected_fault`` are in none of them (the report lists them apart).
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
-import textwrap
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
+from PIL import Image
 
-from pytest_rlk.bands import metric_kind
 from pytest_rlk.compare import scalar_value, window_for
 from pytest_rlk.performance import PerfCase, collect, is_ours
+from pytest_rlk.report_data import WHOLE_MODULES, Margin, ReportData, all_zero, report_data
 from pytest_rlk.schema import MetricRecord, RunRecord
 
-DPI = 100
+DPI = 90
 MAX_WIDTH_PX = 2000
-WIDTH_IN = 10.0
+MAX_CHARTS = 24
+AXES_IN = 6.5  # the width of a chart's axes; the labels and the legend get room beside them
 ROWS_PER_CHART = 40
+MARGIN_ROWS = 25
 ROW_IN = 0.24
-WHOLE_MODULES = ("step", "total")  # a module time that is the sum of the others: never stacked on them
 ARM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 LABEL_CHARS = 56
+TICK_CHARS = 80  # a y tick label: its room beside the axes is made to fit (_layout)
+LEGEND_CHARS = 44
+CHAR_IN = {"x-small": 0.056, "small": 0.068}  # the width of an average character of the tick fonts at DPI
 
 # sections in the order the report shows them
-ERRORS = "Errors vs tolerance"
+MARGINS = "Errors against tolerance"
 ARMS = "A/B arms"
 TIME = "Time breakdown"
 SERIES = "Series over steps"
-SCALARS = "Other values"
-MEMORY = "Memory"
 PERFORMANCE = "Benchmark times"
-SECTIONS = (PERFORMANCE, ERRORS, ARMS, TIME, SERIES, SCALARS, MEMORY)
+SECTIONS = (MARGINS, PERFORMANCE, ARMS, TIME, SERIES)
 
 
 @dataclass(frozen=True)
 class Chart:
-    path: Path
+    """A drawn chart (``path``), or a line saying why there is none (``path`` None)."""
+
+    path: Path | None
     section: str
     caption: str
+
+
+@dataclass(frozen=True)
+class _Planned:
+    section: str
+    path: Path
+    caption: str
+    draw: Callable[[Path], object]
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:120] or "plot"
 
 
+def _layout(fig: Figure, ax, *, label_chars: int = 0, legend_chars: int = 0, label_size: str = "x-small") -> None:
+    """Room for the y tick labels, the title and a legend beside the axes, worked out from their
+    lengths: no layout pass (matplotlib's tight layouts draw the figure once more to measure it)."""
+    per_char = CHAR_IN[label_size]
+    width, height = fig.get_size_inches()
+    left = 0.45 + per_char * label_chars
+    right = 0.2 + (CHAR_IN["x-small"] * legend_chars + 0.6 if legend_chars else 0.0)
+    title_lines = ax.get_title().count("\n") + 1 if ax.get_title() else 0
+    top, bottom = 0.15 + 0.22 * title_lines, 0.6
+    fig.set_size_inches(min(width + left + right, MAX_WIDTH_PX / DPI), height + top + bottom)
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height)
+
+
+def _legend_chars(ax) -> int:
+    handles, labels = ax.get_legend_handles_labels()
+    return max((len(line) for label in labels for line in label.split("\n")), default=0)
+
+
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    width, height = fig.get_size_inches()
-    if width * DPI > MAX_WIDTH_PX:
-        fig.set_size_inches(MAX_WIDTH_PX / DPI, height)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    buffer.seek(0)
+    # a palette of 256 colours: a third of the bytes of full colour, for a page with every chart inlined
+    Image.open(buffer).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE).save(path, format="PNG")
     return path
 
 
@@ -77,6 +113,20 @@ def _unit(metric: MetricRecord) -> str:
 
 def _short(label: str, limit: int = LABEL_CHARS) -> str:
     return label if len(label) <= limit else label[: limit // 2 - 1] + "…" + label[-(limit // 2 - 1):]
+
+
+def _wrapped(label: str, width: int = LEGEND_CHARS) -> str:
+    """The whole label over several lines (a legend entry: nothing cut), broken after separators."""
+    pieces = re.findall(r"[^_\-./ =,]*[_\-./ =,]?", label)
+    lines, line = [], ""
+    for piece in (p for p in pieces if p):
+        while len(piece) > width:  # a piece longer than a line: cut it (never a name's end lost)
+            lines, line, piece = lines + ([line] if line else []) + [piece[:width]], "", piece[width:]
+        if len(line) + len(piece) > width and line:
+            lines.append(line)
+            line = ""
+        line += piece
+    return "\n".join(lines + ([line] if line else [])) or label
 
 
 def _strip_common(labels: Sequence[str]) -> tuple[str, list[str]]:
@@ -99,96 +149,56 @@ def _part(name: str, i: int, n: int) -> str:
     return name if n == 1 else f"{name} ({i + 1}/{n})"
 
 
-def _is_error(metric: MetricRecord) -> bool:
-    return metric_kind(metric.name, metric.space) == "error"
+# -- margins: error / tolerance ----------------------------------------------------------------
 
-
-def _arm_split(metric: MetricRecord) -> tuple[str, str] | None:
-    """(the name without its arm, the arm's label) for a metric tagged ``arm``: names are
-    ``<role>.<name>`` (the role's label may differ: ``baseline.raw_reward`` of arm ``trl``) or
-    ``<arm>_<name>``."""
-    arm = metric.tags.get("arm")
-    if arm is None:
-        return None
-    if "." in metric.name:
-        return metric.name.split(".", 1)[1], arm
-    if metric.name.startswith(f"{arm}_"):
-        return metric.name[len(arm) + 1:], arm
-    return metric.name, arm
-
-
-# -- errors vs tolerance ---------------------------------------------------------------------
-
-def _error_chart(name: str, rows: list[tuple[str, float, float | None]], unit: str, path: Path,
-                 caption_of_part: str) -> Path:
-    prefix, labels = _strip_common([label for label, _, _ in rows])
-    positive = [v for _, v, _ in rows if v > 0] + [t for _, _, t in rows if t]
-    floor = min(positive) / 10 if positive else 1e-12
-    fig = Figure(figsize=(WIDTH_IN, 1.4 + ROW_IN * len(rows)))
+def plot_margin(tier: str, rows: list[Margin], path: Path) -> Path:
+    """The worst ``MARGIN_ROWS`` of ``rows`` (worst first) as bars of error / tolerance, log scale,
+    the tolerance a line at 1; exact zeros are counted in the title, not drawn."""
+    nonzero = [r for r in rows if r.value > 0]
+    shown = nonzero[:MARGIN_ROWS]
+    labels = [f"{r.case} · {r.metric}" for r in shown]
+    prefix, labels = _strip_common(labels)
+    fig = Figure(figsize=(AXES_IN, 0.4 + ROW_IN * max(1, len(shown))))
     ax = fig.add_subplot()
-    ys = list(range(len(rows)))[::-1]
-    values = [max(v, floor) for _, v, _ in rows]
-    colors = ["#c44e52" if tol is not None and v > tol else "#bbbbbb" if v == 0 else "#4c72b0"
-              for _, v, tol in rows]
-    ax.barh(ys, values, color=colors, left=floor * 0.5)
+    ys = list(range(len(shown)))[::-1]
+    ratios = [r.ratio for r in shown]
+    low = min(ratios + [1.0]) / 3
+    ax.barh(ys, [x - low for x in ratios], left=low, height=0.7,
+            color=["#c44e52" if x > 1 else "#4c72b0" for x in ratios])
+    ax.axvline(1.0, color="#c44e52", linestyle="--", linewidth=1.2, label="tolerance (error = tolerance)")
     ax.set_xscale("log")
-    tols = [t for _, _, t in rows]
-    if tols and all(t is not None and t == tols[0] for t in tols):
-        ax.axvline(tols[0], color="#c44e52", linestyle="--", linewidth=1.2, label=f"tolerance {tols[0]:.3g}")
-        ax.legend(fontsize="small", loc="lower right")
-    else:
-        for y, tol in zip(ys, tols):
-            if tol is not None:
-                ax.plot([tol, tol], [y - 0.42, y + 0.42], color="#c44e52", linewidth=2)
-    right = max([v for _, v, _ in rows] + [t for t in tols if t is not None] + [floor * 10])
-    ax.set_xlim(floor * 0.4, right * 2)
-    for y, (_, v, _) in zip(ys, rows):
-        if v == 0:
-            ax.text(floor * 0.6, y, " 0 (exact)", va="center", fontsize="x-small", color="#555555")
-    ax.set_yticks(ys, [_short(label) for label in labels], fontsize="x-small")
-    ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_xlabel(f"{name}{unit} (log scale)")
-    title = f"{name}: {caption_of_part}"
+    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled decades only: minor labels cost seconds to lay out
+    ax.set_xlim(low, max(ratios + [1.0]) * 3)
+    ax.set_yticks(ys, [_short(label, 70) for label in labels], fontsize="x-small")
+    ax.set_ylim(-0.6, max(1, len(shown)) - 0.4)
+    ax.set_xlabel("error / tolerance (log scale; right of the dashed line: over tolerance)")
+    zeros = len(rows) - len(nonzero)
+    title = f"tier {tier}: the {len(shown)} largest of {len(rows)} errors against their tolerance"
+    if zeros:
+        title += f" ({zeros} exactly 0)"
     if prefix:
         title += f"\ncases: {_short(prefix, 90)}…"
     ax.set_title(title, fontsize="medium")
+    ax.legend(fontsize="x-small", loc="lower right")
+    _layout(fig, ax, label_chars=max((len(_short(label, 70)) for label in labels), default=0))
     return _save(fig, path)
 
 
-def plot_errors(run: RunRecord, out_dir: Path) -> list[Chart]:
-    """One chart per error metric: the max error of each case against its tolerance."""
-    by_name: dict[str, list[tuple[str, MetricRecord]]] = defaultdict(list)
-    for test in run.tests:
-        for m in test.metrics:
-            if _is_error(m) and not m.is_series:
-                by_name[m.name].append((_case_label(test.case, m), m))
-    charts = []
-    for name, entries in sorted(by_name.items()):
-        rows = sorted((label, float(m.value), m.band.abs_floor if m.band and m.band.abs_floor > 0 else None)
-                      for label, m in entries)
-        parts = _chunks(rows)
-        over = sum(1 for _, v, t in rows if t is not None and v > t)
-        for i, part in enumerate(parts):
-            path = out_dir / f"errors_{_slug(name)}{'' if len(parts) == 1 else f'_{i + 1}'}.png"
-            what = f"{len(part)} cases" if len(parts) == 1 else f"cases {i * ROWS_PER_CHART + 1}-{i * ROWS_PER_CHART + len(part)} of {len(rows)}"
-            _error_chart(name, part, _unit(entries[0][1]), path, what)
-            caption = f"{_part(name, i, len(parts))}: max error per case, log scale; grey bar: exactly 0; "
-            if any(t is not None for _, _, t in part):
-                sources = sorted({m.band.source for _, m in entries if m.band and m.band.abs_floor > 0 and m.band.source})
-                caption += ("red tick: the case's tolerance (" + "; ".join(sources[:3])
-                            + (f"; {len(sources) - 3} more sources" if len(sources) > 3 else "") + "); ")
-                caption += f"{over} case(s) above it (red bars)" if over else "every case within it"
-            else:
-                caption += "no tolerance was recorded with these values (their test asserts its own)"
-            charts.append(Chart(path, ERRORS, caption))
-    return charts
-
-
-def _case_label(case: str, metric: MetricRecord) -> str:
-    """The case, plus the tags that tell one metric of a case from another (not the arm)."""
-    extra = [f"{k}={v}" for k, v in sorted(metric.tags.items())
-             if k in ("backend", "dtype", "op") and k not in case and v not in case]
-    return case + (f" [{', '.join(extra)}]" if extra else "")
+def _plan_margins(data: ReportData, out_dir: Path) -> tuple[list[_Planned], list[Chart]]:
+    planned, notes = [], []
+    for tier, rows in data.margins.items():
+        over = [r for r in rows if r.ratio > 1]
+        if all(r.value == 0 for r in rows):
+            notes.append(Chart(None, MARGINS, f"tier {tier}: all {len(rows)} errors with a tolerance are exactly 0 "
+                                              "(no chart)"))
+            continue
+        worst = rows[0]
+        caption = (f"tier {tier}: each case's error divided by its tolerance, worst first; worst: {worst.case} "
+                   f"{worst.metric} at {worst.ratio:.3g} of its tolerance; "
+                   + (f"{len(over)} over tolerance (red)" if over else "every case within tolerance"))
+        planned.append(_Planned(MARGINS, out_dir / f"margins_{_slug(tier)}.png", caption,
+                                lambda p, tier=tier, rows=rows: plot_margin(tier, rows, p)))
+    return planned, notes
 
 
 # -- A/B arms ------------------------------------------------------------------------------
@@ -201,16 +211,17 @@ def _shade_warmup(ax, skip: int) -> None:
 def plot_arms_over_steps(lines: Sequence[tuple[str, str, Sequence[float]]], *, skip: int, title: str,
                          ylabel: str, path: Path) -> Path:
     """Series of several arms on one chart: ``lines`` = (case, arm, values); one colour per arm,
-    one line style per case; the first ``skip`` steps shaded as warmup."""
+    one line style per case; the first ``skip`` steps shaded as warmup; the legend beside the
+    axes, each entry whole (wrapped, never cut)."""
     arms = list(dict.fromkeys(arm for _, arm, _ in lines))
     cases = list(dict.fromkeys(case for case, _, _ in lines))
     prefix, short_cases = _strip_common(cases)
     shown = dict(zip(cases, short_cases))
     styles = ("-", "--", ":", "-.")
-    fig = Figure(figsize=(WIDTH_IN * 0.8, 4.2))
+    fig = Figure(figsize=(AXES_IN, 3.2 + 0.12 * max(0, len(lines) - 8)))
     ax = fig.add_subplot()
     for case, arm, values in lines:
-        label = arm if len(cases) == 1 else f"{_short(shown[case], 40)} / {arm}"
+        label = arm if len(cases) == 1 else _wrapped(f"{shown[case]} / {arm}")
         k = arms.index(arm)  # later arms thinner, so an arm equal to the first shows inside it
         ax.plot(range(len(values)), values, marker="ox+."[k % 4], color=ARM_COLORS[k % len(ARM_COLORS)],
                 linewidth=max(1.0, 3.5 - 1.5 * k), alpha=0.9 if k else 0.6,
@@ -218,17 +229,20 @@ def plot_arms_over_steps(lines: Sequence[tuple[str, str, Sequence[float]]], *, s
     _shade_warmup(ax, skip)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
+    if max((len(v) for _, _, v in lines), default=0) <= 12:
+        ax.set_xticks(range(max(len(v) for _, _, v in lines)))
     subtitle = cases[0] if len(cases) == 1 else f"cases: {prefix}…" if prefix else ""
     ax.set_title(f"{title}\n{_short(subtitle, 90)}" if subtitle else title, fontsize="medium")
-    ax.legend(fontsize="x-small")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=8, legend_chars=_legend_chars(ax))
     return _save(fig, path)
 
 
 def _grouped_bars(title: str, xlabel: str, rows: list[str], groups: list[str],
                   values: dict[tuple[str, str], float], path: Path) -> Path:
-    """Horizontal bars: one row per ``rows`` entry, one bar per group (arm) in it."""
+    """Horizontal bars: one row per ``rows`` entry, one bar per group in it."""
     prefix, labels = _strip_common(rows)
-    fig = Figure(figsize=(WIDTH_IN * 0.8, 1.4 + ROW_IN * max(1, len(rows)) * max(1, len(groups)) * 0.8))
+    fig = Figure(figsize=(AXES_IN, 0.4 + ROW_IN * max(1, len(rows)) * max(1, len(groups)) * 0.8))
     ax = fig.add_subplot()
     height = 0.8 / max(1, len(groups))
     for g, group in enumerate(groups):
@@ -236,85 +250,38 @@ def _grouped_bars(title: str, xlabel: str, rows: list[str], groups: list[str],
         xs = [values.get((row, group), math.nan) for row in rows]
         ax.barh(ys, xs, height=height, color=ARM_COLORS[g % len(ARM_COLORS)], label=group)
     positive = [v for v in values.values() if v > 0]
-    if positive and min(positive) > 0 and max(positive) / min(positive) > 100 and all(v >= 0 for v in values.values()):
+    if positive and max(positive) / min(positive) > 100 and all(v >= 0 for v in values.values()):
         ax.set_xscale("log")
         xlabel += " (log scale)"
-    ax.set_yticks(list(range(len(rows)))[::-1], [_short(label) for label in labels], fontsize="x-small")
+    ax.set_yticks(list(range(len(rows)))[::-1], [_short(label, TICK_CHARS) for label in labels], fontsize="x-small")
     ax.set_xlabel(xlabel)
     ax.set_title(title + (f"\ncases: {_short(prefix, 90)}…" if prefix else ""), fontsize="medium")
     if len(groups) > 1:
-        ax.legend(fontsize="x-small")
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=max((len(_short(label, TICK_CHARS)) for label in labels), default=0),
+            legend_chars=_legend_chars(ax) if len(groups) > 1 else 0)
     return _save(fig, path)
 
 
-def plot_arms(run: RunRecord, out_dir: Path) -> list[Chart]:
-    """Metrics of several arms (tag ``arm``), overlaid per name; module times are the breakdown's."""
-    series: dict[str, list[tuple[str, str, MetricRecord]]] = defaultdict(list)
-    scalars: dict[str, list[tuple[str, str, MetricRecord]]] = defaultdict(list)
-    for test in run.tests:
-        for m in test.metrics:
-            split = _arm_split(m)
-            if split is None or _is_error(m) or "module" in m.tags and m.tags["module"] not in WHOLE_MODULES:
-                continue
-            name, arm = split
-            (series if m.is_series else scalars)[name].append((test.case, arm, m))
-    charts = []
-    for name, entries in sorted(series.items()):
-        if len({arm for _, arm, _ in entries}) < 2:
-            continue
-        first = entries[0][2]
-        window = window_for(first)
-        skip = window.skip if window is not None else 0
-        path = plot_arms_over_steps([(case, arm, m.value) for case, arm, m in entries], skip=skip,
-                                    title=name, ylabel=f"{name}{_unit(first)}", path=out_dir / f"arms_{_slug(name)}.png")
-        agg = f"; gated on the {window.agg} after {skip} warmup steps" if window is not None else ""
-        charts.append(Chart(path, ARMS, f"{name} over steps, arms overlaid (colour: arm; line style: case)"
-                                        f"{'; shaded: warmup' if skip else ''}{agg}"))
-    by_case: dict[str, list[tuple[str, str, MetricRecord]]] = defaultdict(list)
-    for name, entries in sorted(scalars.items()):
-        if len({arm for _, arm, _ in entries}) > 1:
-            for case, arm, m in entries:
-                by_case[case].append((name, arm, m))
-    for case, entries in sorted(by_case.items()):
-        arms = list(dict.fromkeys(arm for _, arm, _ in entries))
-        names = list(dict.fromkeys(name for name, _, _ in entries))
-        values = {(name, arm): float(m.value) for name, arm, m in entries}
-        path = out_dir / f"arms_{_slug(case)}.png"
-        if len(arms) == 2:
-            _relative_difference(case, names, arms, values, path)
-            caption = (f"{case}: each value of arm {arms[1]} relative to arm {arms[0]}, (B - A) / |A|; "
-                       "both values written beside each bar")
-        else:
-            _grouped_bars(f"A/B values: {_short(case, 90)}", "value", names, arms, values, path)
-            caption = f"the scalar values each arm recorded in {case}, one bar per arm"
-        charts.append(Chart(path, ARMS, caption))
-    return charts
+def _plan_series(section: str, name: str, entries: list[tuple[str, str, MetricRecord]], out_dir: Path,
+                 caption: str) -> _Planned | Chart:
+    if all_zero(v for _, _, m in entries for v in m.value):
+        return Chart(None, section, f"{name}: every value of every case is 0 (no chart)")
+    first = entries[0][2]
+    window = window_for(first)
+    skip = window.skip if window is not None else 0
+    agg = f"; gated on the {window.agg} after {skip} warmup steps" if window is not None and first.gate else ""
+    prefix = "arms" if section == ARMS else "series"
+    return _Planned(section, out_dir / f"{prefix}_{_slug(name)}.png",
+                    caption + ("; shaded: warmup" if skip else "") + agg,
+                    lambda p: plot_arms_over_steps([(case, arm, m.value) for case, arm, m in entries], skip=skip,
+                                                   title=name, ylabel=f"{name}{_unit(first)}", path=p))
 
 
-def _relative_difference(case: str, names: list[str], arms: list[str],
-                         values: dict[tuple[str, str], float], path: Path) -> Path:
-    """Two arms' scalars of different magnitudes on one axis: B relative to A per name."""
-    a, b = arms
-    rel = []
-    for name in names:
-        va, vb = values.get((name, a), math.nan), values.get((name, b), math.nan)
-        rel.append(0.0 if va == vb else (vb - va) / abs(va) if va else math.copysign(math.inf, vb - va))
-    shown = [r if math.isfinite(r) else 0.0 for r in rel]
-    fig = Figure(figsize=(WIDTH_IN * 0.8, 1.4 + 0.32 * len(names)))
-    ax = fig.add_subplot()
-    ys = list(range(len(names)))[::-1]
-    ax.barh(ys, shown, color=["#c44e52" if r > 0 else "#4c72b0" for r in shown], height=0.6)
-    ax.axvline(0.0, color="black", linewidth=0.8)
-    for y, name, r in zip(ys, names, rel):
-        note = "equal" if r == 0 else "A is 0" if not math.isfinite(r) else f"{r:+.3g}"
-        ax.text(0, y, f"  {note}: A {values.get((name, a), math.nan):.4g}, B {values.get((name, b), math.nan):.4g}",
-                va="center", fontsize="x-small")
-    ax.set_yticks(ys, [_short(n) for n in names], fontsize="x-small")
-    limit = max([abs(x) for x in shown] + [0.01]) * 1.3
-    ax.set_xlim(-limit, limit)
-    ax.set_xlabel(f"(B - A) / |A|   A: {a}, B: {b}")
-    ax.set_title(f"A/B values: {_short(case, 90)}", fontsize="medium")
-    return _save(fig, path)
+def _plan_arms(data: ReportData, out_dir: Path) -> list[_Planned | Chart]:
+    return [_plan_series(ARMS, name, entries, out_dir,
+                         f"{name} over steps, arms overlaid (colour: arm; line style: case)")
+            for name, entries in data.arm_series.items()]
 
 
 # -- time breakdown ----------------------------------------------------------------------------
@@ -329,9 +296,12 @@ class TimeBreakdown:
 
 
 def time_breakdown(run: RunRecord) -> TimeBreakdown:
-    """Time metrics tagged ``module`` (gated values: the window's aggregate), per case and arm."""
+    """Time metrics tagged ``module`` (gated values: the window's aggregate), per case and arm;
+    tests marked ``injected_fault`` are left out."""
     found = TimeBreakdown(defaultdict(dict), {}, set())
     for test in run.tests:
+        if test.injected_fault:
+            continue
         for m in test.metrics:
             if m.space != "time" or "module" not in m.tags:
                 continue
@@ -344,18 +314,15 @@ def time_breakdown(run: RunRecord) -> TimeBreakdown:
     return found
 
 
-def plot_time_breakdown(run: RunRecord, out_dir: Path) -> list[Chart]:
+def plot_time_breakdown(found: TimeBreakdown, path: Path) -> Path:
     """Per case and arm: the parts of a step stacked; the whole step a black mark, not a part."""
-    found = time_breakdown(run)
-    parts, whole, units = found.parts, found.whole, found.units
-    if not parts:
-        return []
+    parts, whole, units = found.parts, found.whole, set(found.units)
     keys = sorted(parts)
     modules = sorted({mod for p in parts.values() for mod in p})
     labels = [f"{case} / {arm}" if arm else case for case, arm in keys]
     prefix, labels = _strip_common(labels)
     unit = units.pop() if len(units) == 1 else ""
-    fig = Figure(figsize=(WIDTH_IN, 1.8 + 0.42 * len(keys)))
+    fig = Figure(figsize=(AXES_IN, 0.6 + 0.42 * len(keys)))
     ax = fig.add_subplot()
     ys = list(range(len(keys)))[::-1]
     left = [0.0] * len(keys)
@@ -367,56 +334,33 @@ def plot_time_breakdown(run: RunRecord, out_dir: Path) -> list[Chart]:
     if marked:
         ax.scatter([w for _, w in marked], [y for y, _ in marked], marker="|", s=500, color="black", zorder=3,
                    label="whole step (measured)")
-    ax.set_yticks(ys, [_short(label) for label in labels], fontsize="small")
+    ax.set_yticks(ys, [_short(label, TICK_CHARS) for label in labels], fontsize="small")
     ax.set_xlabel(f"median time per step after warmup{f' [{unit}]' if unit else ''}")
     ax.set_title("time per step by part" + (f"\ncases: {_short(prefix, 90)}…" if prefix else ""), fontsize="medium")
-    ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.0, 0.5))
-    path = _save(fig, out_dir / "time_breakdown.png")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=max((len(_short(label, TICK_CHARS)) for label in labels), default=0), label_size="small",
+            legend_chars=_legend_chars(ax))
+    return _save(fig, path)
+
+
+def _plan_time_breakdown(run: RunRecord, out_dir: Path) -> list[_Planned | Chart]:
+    found = time_breakdown(run)
+    if not found.parts:
+        return []
+    if all_zero(v for p in found.parts.values() for v in p.values()):
+        return [Chart(None, TIME, "time breakdown: every part's time is 0 (no chart)")]
     caption = ("time of each part of a step per case and arm (stacked, median after warmup); the black mark is "
                "the whole step as measured (the gap to it is time outside the named parts)")
-    return [Chart(path, TIME, caption)]
+    return [_Planned(TIME, out_dir / "time_breakdown.png", caption, lambda p: plot_time_breakdown(found, p))]
 
 
 # -- everything else ---------------------------------------------------------------------------
 
-def plot_series(run: RunRecord, out_dir: Path) -> list[Chart]:
-    """Series without arms (arms are overlaid by plot_arms), one line per case."""
-    by_name: dict[str, list[tuple[str, MetricRecord]]] = defaultdict(list)
-    for test in run.tests:
-        for m in test.metrics:
-            if m.is_series and "arm" not in m.tags and "module" not in m.tags:
-                by_name[m.name].append((test.case, m))
-    charts = []
-    for name, entries in sorted(by_name.items()):
-        window = window_for(entries[0][1])
-        skip = window.skip if window is not None else 0
-        path = plot_arms_over_steps([(case, "value", m.value) for case, m in entries], skip=skip, title=name,
-                                    ylabel=f"{name}{_unit(entries[0][1])}", path=out_dir / f"series_{_slug(name)}.png")
-        charts.append(Chart(path, SERIES, f"{name} over steps, one line per case" + ("; shaded: warmup" if skip else "")))
-    return charts
-
-
-def plot_scalars(run: RunRecord, out_dir: Path) -> list[Chart]:
-    """Scalars that are neither errors nor arms nor benchmark timings, one chart per name."""
-    perf_names = {f"{t.impl}_{s}" for c in collect(run) for t in c.timings.values()
-                  for s in ("ms", "graph_ms", "fraction_of_hbm_limit", "peak_extra_bytes")}
-    by_name: dict[str, list[tuple[str, MetricRecord]]] = defaultdict(list)
-    for test in run.tests:
-        for m in test.metrics:
-            if not m.is_series and not _is_error(m) and "arm" not in m.tags and "module" not in m.tags \
-                    and m.name not in perf_names and "impl" not in m.tags:
-                by_name[m.name].append((test.case, m))
-    charts = []
-    for name, entries in sorted(by_name.items()):
-        memory = entries[0][1].space == "memory"
-        rows = [case for case, _ in entries]
-        values = {(case, name): float(m.value) for case, m in entries}
-        for i, part in enumerate(_chunks(rows)):
-            suffix = "" if len(rows) <= ROWS_PER_CHART else f"_{i + 1}"
-            path = _grouped_bars(_part(name, i, len(_chunks(rows))), f"{name}{_unit(entries[0][1])}", part, [name],
-                                 values, out_dir / f"{'memory' if memory else 'scalar'}_{_slug(name)}{suffix}.png")
-            charts.append(Chart(path, MEMORY if memory else SCALARS, f"{name} per case ({entries[0][1].space})"))
-    return charts
+def _plan_plain_series(data: ReportData, out_dir: Path) -> list[_Planned | Chart]:
+    """Series without several arms, one line per case."""
+    return [_plan_series(SERIES, name, [(case, "value", m) for case, m in entries], out_dir,
+                         f"{name} over steps, one line per case")
+            for name, entries in data.series.items()]
 
 
 def plot_performance(cases: list[PerfCase], path: Path) -> Path:
@@ -428,17 +372,37 @@ def plot_performance(cases: list[PerfCase], path: Path) -> Path:
                          impls, values, path)
 
 
-def plot_run(run: RunRecord, out_dir: Path) -> list[Chart]:
+def _plan_performance(run: RunRecord, out_dir: Path) -> list[_Planned]:
+    cases = collect(run)
+    parts = _chunks(cases, ROWS_PER_CHART // 2)
+    return [_Planned(PERFORMANCE, out_dir / f"performance_ms{'' if len(parts) == 1 else f'_{i + 1}'}.png",
+                     _part("median time per implementation and case, log scale (ours first)", i, len(parts)),
+                     lambda p, part=part: plot_performance(part, p))
+            for i, part in enumerate(parts) if part]
+
+
+def plot_run(run: RunRecord, out_dir: Path, *, data: ReportData | None = None,
+             max_charts: int = MAX_CHARTS) -> list[Chart]:
+    """Every chart of the run in section order, at most ``max_charts`` drawn; the rest, and those
+    with nothing to draw, come back as lines (``Chart.path`` None)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.png"):  # a report directory holds this run's charts only
         old.unlink()
-    cases = collect(run)
-    charts = [Chart(plot_performance(cases, out_dir / "performance_ms.png"), PERFORMANCE,
-                    "median time per implementation and case, log scale (ours first)")] if cases else []
-    charts += plot_errors(run, out_dir) + plot_arms(run, out_dir) + plot_time_breakdown(run, out_dir)
-    charts += plot_series(run, out_dir) + plot_scalars(run, out_dir)
-    return sorted(charts, key=lambda c: SECTIONS.index(c.section))
-
-
-def wrap(text: str, width: int = 100) -> str:
-    return "\n".join(textwrap.wrap(text, width))
+    data = data if data is not None else report_data(run)
+    margins, notes = _plan_margins(data, out_dir)
+    planned: list[_Planned | Chart] = [*margins, *notes, *_plan_performance(run, out_dir), *_plan_arms(data, out_dir),
+                                       *_plan_time_breakdown(run, out_dir), *_plan_plain_series(data, out_dir)]
+    planned.sort(key=lambda c: SECTIONS.index(c.section))
+    charts: list[Chart] = []
+    drawn = 0
+    for item in planned:
+        if isinstance(item, Chart):
+            charts.append(item)
+        elif drawn < max_charts:
+            item.draw(item.path)
+            drawn += 1
+            charts.append(Chart(item.path, item.section, item.caption))
+        else:
+            charts.append(Chart(None, item.section, f"{item.path.stem}: not drawn (this report draws at most "
+                                                    f"{max_charts} charts; its values are in metrics.csv)"))
+    return charts

@@ -433,6 +433,9 @@ def _test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str 
                recorder.gpus if recorder is not None else 1)
     if gpus > 1:
         record.baseline_platform = rlk_platform.baseline_platform(state.platform.tag, gpus)
+    fault = item.get_closest_marker("injected_fault")
+    if fault is not None:
+        record.injected_fault = str(fault.args[0]) if fault.args else "injected fault"
     seen = item.stash.get(BACKEND_SEEN, None)
     record.backends = [seen] if seen is not None else []
     if recorder is not None:

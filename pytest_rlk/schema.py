@@ -236,6 +236,9 @@ class TestRecord(_Strict):
     # the baselines directory when it is not the run's platform: <tag>x<k> for a test on k > 1
     # GPUs (pytest_rlk.platform.baseline_platform)
     baseline_platform: str | None = None
+    # the test's ``injected_fault(what)`` marker: a deliberately wrong part whose metrics are
+    # expected to fail their gate (the report keeps them apart from real cases)
+    injected_fault: str | None = None
 
     def gated_platform(self, run_platform: str) -> str:
         """The platform whose baselines gate this test in a run on ``run_platform``."""

@@ -97,6 +97,7 @@ class ReportExtras:
     setup_commands: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     commits: dict[str, str | None] = field(default_factory=dict)  # beside RunContext.commits
+    versions: dict[str, str | None] = field(default_factory=dict)  # software the arms ran (torch, triton, ...)
 
 
 class Engine(Protocol):

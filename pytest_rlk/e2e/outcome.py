@@ -18,10 +18,10 @@ from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.arms import ArmCommand
 from pytest_rlk.e2e.engine import UNREADABLE_LINES, ArmReading, RunContext, resolve_options
 from pytest_rlk.e2e.engines import get_engine
-from pytest_rlk.e2e.gates import LaneVerdict, PairVerdict, gate_lane
+from pytest_rlk.e2e.gates import LaneVerdict, PairVerdict, gate_lane, pair_verdict
 from pytest_rlk.e2e.launcher import ARM_LOG, ArmResult, command_lines
 from pytest_rlk.e2e.report import ArmRun, ReportInputs, ReportPaths, write_report
-from pytest_rlk.e2e.spec import ABSpec, ArmRole, Lane, load_spec
+from pytest_rlk.e2e.spec import ARM_ROLES, ABSpec, ArmRole, Lane, load_spec
 from pytest_rlk.manifest import suite_state
 from pytest_rlk.schema import MetricComparison, Verdict
 
@@ -59,6 +59,7 @@ class ArmOutcome:
     result: ArmResult | None = None
     reading: ArmReading = field(default_factory=ArmReading)
     status: str = "not run"
+    saved_peak_vram_mib_per_gpu: dict[int, float] = field(default_factory=dict)  # read back (load_ab_run)
 
     @property
     def label(self) -> str:
@@ -122,10 +123,9 @@ class ABRun:
         return self.arms[(lane or self.lanes()[-1], key)]
 
 
-def _peak(result: ArmResult | None) -> dict[str, float]:
-    if result is None or not result.peak_vram_mib_per_gpu:
-        return {}
-    return {m.PEAK_VRAM: max(result.peak_vram_mib_per_gpu.values())}
+def _peak(outcome: ArmOutcome) -> dict[str, float]:
+    peaks = _peak_per_gpu(outcome)
+    return {m.PEAK_VRAM: max(peaks.values())} if peaks else {}
 
 
 def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels") -> LaneVerdict:
@@ -146,7 +146,7 @@ def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels"
         skip_warmup=spec.window.skip_warmup_rollouts, gates=spec.gates,
         baseline_label=base.label, kernels_label=kern.label,
         kernel_fallback_events=kern.reading.fallback_events,
-        baseline_scalars=_peak(base.result), kernels_scalars=_peak(kern.result), bands=spec.bands,
+        baseline_scalars=_peak(base), kernels_scalars=_peak(kern), bands=spec.bands,
     )
     for outcome in (base, kern):
         for problem in outcome.problems:
@@ -169,6 +169,7 @@ def write_run_report(run: ABRun, out_dir: Path, *, kernels_key: str = "kernels",
     readings = {o.role: o.reading for o in pair if o.lane == run.lanes()[-1]}
     extras = engine.report_extras(spec, ctx, readings, run.wall_s)
     switch = spec.kernel_switch
+    suite_commit, suite_dirty = suite_state(SUITE_ROOT)
     declared = [f"Declared environment of the {o.label!r} arm ({o.lane} lane), beyond the kernel switch: "
                 + " ".join(f"{k}={v}" for k, v in sorted(o.command.arm_env.items())) for o in pair if o.command.arm_env]
     return write_report(out_dir, ReportInputs(
@@ -181,7 +182,8 @@ def write_run_report(run: ABRun, out_dir: Path, *, kernels_key: str = "kernels",
               for o in pair],
         verdict=verdict if verdict is not None else run.verdict,
         setup_commands=extras.setup_commands,
-        commits={**ctx.commits, "pytest-rlk": suite_state(SUITE_ROOT)[0], **extras.commits},
+        commits={**ctx.commits, "pytest-rlk": suite_commit, **extras.commits},
+        dirty={"pytest-rlk": suite_dirty}, versions=extras.versions,
         settings=spec.model_dump(mode="json", exclude={"arms", "kernel_switch"}),
         kernel_switch=" ".join([*(f"{k}={v}" for k, v in switch.env.items()), shlex.join(switch.args)]).strip(),
         notes=[*declared, *extras.notes, f"Wall time of all arms of this run: {run.wall_s:.0f} s.",
@@ -190,7 +192,7 @@ def write_run_report(run: ABRun, out_dir: Path, *, kernels_key: str = "kernels",
 
 
 def _peak_per_gpu(outcome: ArmOutcome) -> dict[int, float]:
-    return outcome.result.peak_vram_mib_per_gpu if outcome.result else {}
+    return outcome.result.peak_vram_mib_per_gpu if outcome.result else outcome.saved_peak_vram_mib_per_gpu
 
 
 def write_result(run: ABRun) -> None:
@@ -223,7 +225,20 @@ def load_ab_run(out_dir: Path) -> ABRun:
                              saved["info"])
         arms[(saved["lane"], saved["key"])] = ArmOutcome(
             saved["key"], arm_spec, ArmCommand(**saved["command"]), path.parent, reading=reading,
-            status=saved["status"])
+            status=saved["status"],
+            saved_peak_vram_mib_per_gpu={int(g): v for g, v in (saved.get("peak_vram_mib_per_gpu") or {}).items()})
     lane_rank = {lane: i for i, lane in enumerate(("replay", "live"))}
     arms = dict(sorted(arms.items(), key=lambda item: lane_rank.get(item[0][0], 9)))
     return ABRun(spec, out_dir, ctx, arms, wall_s=json.loads(result_path.read_text())["wall_s"])
+
+
+def report_ab_dir(out_dir: Path, report_dir: Path | None = None) -> tuple[ABRun, ReportPaths]:
+    """The report of a finished A/B directory written again (`rlk report DIR`): its arms read back,
+    every lane whose two arms ran gated as `rlk e2e run` gates them, into `report_dir` (default
+    DIR/report)."""
+    run = load_ab_run(out_dir)
+    lanes = [gate_arms(run, lane) for lane in run.lanes()
+             if all((lane, role) in run.arms and run.arms[(lane, role)].status != "not run" for role in ARM_ROLES)]
+    run.verdict = pair_verdict(lanes) if lanes else None
+    run.report = write_run_report(run, Path(report_dir) if report_dir is not None else Path(out_dir) / "report")
+    return run, run.report

@@ -1,17 +1,21 @@
-"""The e2e A/B report: PNG plots and a Markdown page that makes a run reproducible.
+"""The e2e A/B report: PNG plots, a Markdown page that makes a run reproducible, and the same page
+as one self-contained ``report.html`` (plots inlined).
 
-Engine-agnostic: it takes `ReportInputs` (per-arm series in the canonical schema, the exact
-commands, commits, hardware, the spec's settings, the verdicts) and writes into one directory:
+Engine-agnostic and generic over what the arms record: it takes `ReportInputs` (per-arm series in
+the canonical schema, the exact commands, commits, hardware, versions, the spec's settings, the
+verdicts); metric names come from the data. Into one directory it writes, where the data is there:
 
-- `step_time_mean.png`   mean step time per arm and lane (after warmup), p50/p90 as markers
+- `step_time_mean.png`   mean step time per arm and lane (after warmup), p50/p90/p99 as markers
 - `step_time_steps.png`  step time over rollouts, per arm
-- `module_breakdown.png` median per-module times (rollout, log-probs, ref log-probs, train, sync)
-- `peak_vram.png`        peak memory per GPU and arm (NVML poller), when measured
+- `module_breakdown.png` median time of each phase an arm records (every `*_time_s` series but the step)
+- `peak_vram.png`        peak memory per arm: per GPU (NVML poller) or the arms' own peak series
 - `reward_absdiff.png`   raw_reward and train_rollout_logprob_abs_diff over rollouts
-- `report.md`            verdicts, metric table, commands, commits, hardware, hyperparameters
+- `series_steps.png`     every other per-step series, one panel each
+- `report.md`, `report.html`  verdict, metric table (mean, p50/p90/p99, delta and speedup),
+  plots, commands, commits (with dirty flags), hardware, versions, settings
 
-The scope statement comes from the engine (`Engine.scope`: what the kernels compute in that
-engine and what they do not); every engine's ends with `NO_MOE_CLAIM`.
+A plot or series without data is named with the reason, never drawn empty. The scope statement
+comes from the engine (`Engine.scope`); every engine's ends with `NO_MOE_CLAIM`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.gates import PairVerdict
 from pytest_rlk.e2e.spec import ArmRole, Lane
+from pytest_rlk.report_html import write_html
 from pytest_rlk.schema import Window
 from pytest_rlk.stats import aggregate
 
@@ -32,6 +37,10 @@ NO_MOE_CLAIM = (
     "This report makes no claim about mixture-of-experts (expert or router) kernels: both arms run "
     "the same expert and router code."
 )
+ROLE_NAMES = {"baseline": "baseline arm", "kernels": "kernel arm"}
+DPI = 90
+MAX_PANELS = 12
+STATS = ("mean", "p50", "p90", "p99")
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class ReportInputs:
     verdict: PairVerdict | None
     setup_commands: list[str] = field(default_factory=list)
     commits: dict[str, str | None] = field(default_factory=dict)
+    dirty: dict[str, bool | None] = field(default_factory=dict)  # per commit: uncommitted changes (None: unknown)
+    versions: dict[str, str | None] = field(default_factory=dict)  # software of the arms (torch, triton, ...)
     settings: dict[str, Any] = field(default_factory=dict)
     kernel_switch: str = ""
     notes: list[str] = field(default_factory=list)
@@ -69,150 +80,235 @@ class ReportInputs:
 class ReportPaths:
     markdown: Path
     plots: list[Path]
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    html: Path | None = None
 
 
 def _name(arm: ArmRun) -> str:
     return f"{arm.label} ({arm.lane})"
 
 
+def _header(arm: ArmRun) -> str:
+    return f"{ROLE_NAMES.get(arm.role, arm.role)} `{arm.label}`"
+
+
 def _window_stat(values: Sequence[float], skip: int, agg: str) -> float | None:
     if len(values) <= skip:
         return None
-    return aggregate(values, Window(skip=skip, agg=agg))
+    return aggregate(values, Window(skip=skip, agg="median" if agg == "p50" else agg))
 
 
-def _plot_step_time_mean(arms: list[ArmRun], skip: int, path: Path) -> bool:
-    rows = [(a, a.series.get(m.STEP_TIME, [])) for a in arms]
-    rows = [(a, v) for a, v in rows if len(v) > skip]
+def is_time(name: str) -> bool:
+    return name.endswith("_time_s")
+
+
+def phases(arms: list[ArmRun]) -> list[str]:
+    """The phase times the arms record (every `*_time_s` series but the whole step), the known
+    ones in `MODULE_TIMES` order first."""
+    found = {n for a in arms for n, v in a.series.items() if is_time(n) and n != m.STEP_TIME and v}
+    return [n for n in m.MODULE_TIMES if n in found] + sorted(found - set(m.MODULE_TIMES))
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.1)  # "tight": legends beside the axes
+
+
+def _legend_outside(ax) -> None:
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _color(arm: ArmRun, arms: list[ArmRun]) -> str:
+    palette = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+    return palette[arms.index(arm) % len(palette)]
+
+
+def _plot_step_time_mean(arms: list[ArmRun], skip: int, path: Path) -> str | None:
+    rows = [a for a in arms if len(a.series.get(m.STEP_TIME, [])) > skip]
     if not rows:
-        return False
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [_name(a) for a, _ in rows]
-    means = [_window_stat(v, skip, "mean") for _, v in rows]
-    ax.bar(names, means, color=["#4c72b0" if a.role == "baseline" else "#dd8452" for a, _ in rows])
-    for i, (_, v) in enumerate(rows):
-        ax.scatter([i, i], [_window_stat(v, skip, "median"), _window_stat(v, skip, "p90")],
-                   color="black", marker="_", s=200, zorder=3)
-    ax.set_ylabel("step time (s)")
-    ax.set_title(f"mean step time after {skip} warmup rollouts (ticks: p50, p90)")
-    ax.tick_params(axis="x", labelrotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+        return None
+    fig = _figure(7, 1.4 + 0.5 * len(rows))
+    ax = fig.add_subplot()
+    ys = list(range(len(rows)))[::-1]
+    ax.barh(ys, [_window_stat(a.series[m.STEP_TIME], skip, "mean") for a in rows], height=0.6,
+            color=[_color(a, arms) for a in rows], label="mean")
+    for stat, marker in (("p50", "|"), ("p90", "4"), ("p99", "x")):
+        ax.scatter([_window_stat(a.series[m.STEP_TIME], skip, stat) for a in rows], ys, color="black",
+                   marker=marker, s=120, zorder=3, label=stat)
+    ax.set_yticks(ys, [_name(a) for a in rows], fontsize="small")
+    ax.set_xlabel("step time (s)")
+    ax.set_title(f"step time after {skip} warmup rollouts", fontsize="medium")
+    _legend_outside(ax)
+    _save(fig, path)
+    return f"mean step time per arm after {skip} warmup rollouts (bars), p50/p90/p99 as markers"
 
 
-def _plot_over_steps(arms: list[ArmRun], names: Sequence[str], path: Path, skip: int) -> bool:
-    present = [n for n in names if any(n in a.series for a in arms)]
+def _plot_over_steps(arms: list[ArmRun], names: Sequence[str], path: Path, skip: int, title: str) -> str | None:
+    present = [n for n in names if any(a.series.get(n) for a in arms)]
     if not present:
-        return False
-    plt = _plt()
-    fig, axes = plt.subplots(len(present), 1, figsize=(7, 3 * len(present)), squeeze=False)
-    for ax, name in zip(axes[:, 0], present, strict=True):
+        return None
+    columns = 1 if len(present) == 1 else 2 if len(present) <= 4 else 3
+    rows = -(-len(present) // columns)
+    fig = _figure(4.2 * columns + 1.8, 2.8 * rows)
+    for i, name in enumerate(present):
+        ax = fig.add_subplot(rows, columns, i + 1)
         for arm in arms:
-            if name in arm.series:
-                ax.plot(range(len(arm.series[name])), arm.series[name], marker="o", label=_name(arm))
+            if arm.series.get(name):
+                ax.plot(range(len(arm.series[name])), arm.series[name], marker="o", markersize=3,
+                        color=_color(arm, arms), label=_name(arm))
         if skip:
             ax.axvspan(-0.5, skip - 0.5, color="grey", alpha=0.2, label="warmup (not gated)")
-        ax.set_xlabel("rollout")
-        ax.set_ylabel(f"{name} ({m.E2E_METRICS[name].unit})" if name in m.E2E_METRICS and m.E2E_METRICS[name].unit else name)
-        ax.legend(fontsize=7)
+        ax.set_xlabel("rollout", fontsize="small")
+        unit = m.E2E_METRICS[name].unit if name in m.E2E_METRICS else ""
+        ax.set_title(f"{name} ({unit})" if unit else name, fontsize="small")
+        ax.tick_params(labelsize="x-small")
+        if i == columns - 1 or len(present) == 1:
+            _legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    _save(fig, path)
+    return f"{title} over rollouts, one line per arm" + ("; shaded: warmup" if skip else "")
 
 
-def _plot_module_breakdown(arms: list[ArmRun], skip: int, path: Path) -> bool:
-    rows = [a for a in arms if any(len(a.series.get(t, [])) > skip for t in m.MODULE_TIMES)]
+def _plot_module_breakdown(arms: list[ArmRun], skip: int, path: Path) -> str | None:
+    names = phases(arms)
+    rows = [a for a in arms if any(len(a.series.get(n, [])) > skip for n in names)]
     if not rows:
-        return False
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    bottoms = [0.0] * len(rows)
-    for module in m.MODULE_TIMES:
-        heights = [(_window_stat(a.series.get(module, []), skip, "median") or 0.0) for a in rows]
-        ax.bar([_name(a) for a in rows], heights, bottom=bottoms, label=module.removesuffix("_s"))
-        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    ax.set_ylabel("median time after warmup (s)")
-    ax.set_title("step time by module")
-    ax.legend(fontsize=7)
-    ax.tick_params(axis="x", labelrotation=15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+        return None
+    fig = _figure(8, 1.4 + 0.35 * len(names) * len(rows))
+    ax = fig.add_subplot()
+    height = 0.8 / len(rows)
+    for k, arm in enumerate(rows):
+        ys = [len(names) - 1 - i + (len(rows) / 2 - k - 0.5) * height for i in range(len(names))]
+        ax.barh(ys, [_window_stat(arm.series.get(n, []), skip, "median") or 0.0 for n in names], height=height,
+                color=_color(arm, arms), label=_name(arm))
+    ax.set_yticks(list(range(len(names)))[::-1], [n.removesuffix("_s") for n in names], fontsize="small")
+    ax.set_xlabel("median time per rollout after warmup (s)")
+    ax.set_title("time per phase", fontsize="medium")
+    _legend_outside(ax)
+    _save(fig, path)
+    absent = [n for n in m.MODULE_TIMES if n not in names]
+    return ("median time of each phase the arms record, after warmup (phases may nest: a training phase holds "
+            "its loss and optimizer times)" + (f"; not recorded by this engine's arms: {', '.join(absent)}"
+                                               if absent else ""))
 
 
-def _plot_peak_vram(arms: list[ArmRun], path: Path) -> bool:
-    rows = [a for a in arms if a.peak_vram_mib_per_gpu]
-    if not rows:
-        return False
-    plt = _plt()
-    gpus = sorted({g for a in rows for g in a.peak_vram_mib_per_gpu})
-    width = 0.8 / len(rows)
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for i, arm in enumerate(rows):
-        ax.bar([g + i * width for g in range(len(gpus))],
-               [arm.peak_vram_mib_per_gpu.get(g, 0.0) for g in gpus], width, label=_name(arm))
-    ax.set_xticks([g + width * (len(rows) - 1) / 2 for g in range(len(gpus))], [f"GPU {g}" for g in gpus])
-    ax.set_ylabel("peak memory (MiB, NVML)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+def _memory_series(arms: list[ArmRun]) -> list[str]:
+    return sorted({n for a in arms for n, v in a.series.items() if n.startswith("peak_") and n.endswith("_mib") and v})
+
+
+def _plot_peak_vram(arms: list[ArmRun], path: Path) -> str | None:
+    per_gpu = [a for a in arms if a.peak_vram_mib_per_gpu]
+    if per_gpu:
+        gpus = sorted({g for a in per_gpu for g in a.peak_vram_mib_per_gpu})
+        bars = {(f"GPU {g}", _name(a)): a.peak_vram_mib_per_gpu.get(g, 0.0) for a in per_gpu for g in gpus}
+        rows, groups, what = [f"GPU {g}" for g in gpus], [a for a in per_gpu], "peak memory per GPU (MiB, NVML poller)"
+    else:
+        names = _memory_series(arms)
+        groups = [a for a in arms if any(a.series.get(n) for n in names)]
+        if not groups:
+            return None
+        bars = {(n, _name(a)): max(a.series[n]) for a in groups for n in names if a.series.get(n)}
+        rows, what = names, "peak memory the arms record (MiB, the largest value over the run)"
+    fig = _figure(7, 1.4 + 0.45 * len(rows) * len(groups))
+    ax = fig.add_subplot()
+    height = 0.8 / len(groups)
+    for k, arm in enumerate(groups):
+        ys = [len(rows) - 1 - i + (len(groups) / 2 - k - 0.5) * height for i in range(len(rows))]
+        ax.barh(ys, [bars.get((r, _name(arm)), 0.0) for r in rows], height=height, color=_color(arm, arms),
+                label=_name(arm))
+    ax.set_yticks(list(range(len(rows)))[::-1], rows, fontsize="small")
+    ax.set_xlabel("MiB")
+    ax.set_title(what, fontsize="medium")
+    _legend_outside(ax)
+    _save(fig, path)
+    return what
+
+
+def _other_series(arms: list[ArmRun]) -> tuple[list[str], list[str]]:
+    """(names to plot, names left out with why): per-step series not plotted elsewhere."""
+    taken = {m.STEP_TIME, m.RAW_REWARD, m.ABS_DIFF, *phases(arms), *_memory_series(arms)}
+    names = sorted({n for a in arms for n in a.series} - taken)
+    shown, left = [], []
+    for n in names:
+        values = [v for a in arms for v in a.series.get(n, [])]
+        if not values:
+            left.append(f"{n}: no values")
+        elif all(v == 0 for v in values):
+            left.append(f"{n}: 0 at every step in every arm")
+        elif len(shown) >= MAX_PANELS:
+            left.append(f"{n}: past the {MAX_PANELS} panels of the chart (in the metric table)")
+        else:
+            shown.append(n)
+    return shown, left
+
+
+def _delta_cells(name: str, base: float | None, new: float | None) -> list[str]:
+    if base is None or new is None:
+        return ["-", "-", "-"]
+    delta = new - base
+    rel = f"{delta / abs(base):+.1%}" if base else "-"
+    if is_time(name) and new > 0:
+        speedup = f"{base / new:.3g}x"
+    elif name.endswith("_per_s") and base > 0:
+        speedup = f"{new / base:.3g}x"
+    else:
+        speedup = "-"
+    return [f"{delta:+.4g}", rel, speedup]
 
 
 def _metric_table(inputs: ReportInputs) -> list[str]:
+    """One row per metric and arm: mean and p50/p90/p99 after warmup; the kernel arm's rows add the
+    delta of the mean to its lane's baseline and, for times and throughputs, the speedup."""
+    skip = inputs.skip_warmup
     names = sorted({n for a in inputs.arms for n in a.series})
-    header = "| metric | unit | agg | " + " | ".join(_name(a) for a in inputs.arms) + " |"
-    lines = [header, "|" + "---|" * (3 + len(inputs.arms))]
+    headers = ["metric", "arm", "rollouts", *STATS, "Δ mean vs baseline", "Δ %", "speedup"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    baselines = {a.lane: a for a in inputs.arms if a.role == "baseline"}
     for name in names:
         policy = m.E2E_METRICS.get(name)
-        agg = policy.agg if policy else "mean"
-        cells = []
-        for arm in inputs.arms:
-            stat = _window_stat(arm.series.get(name, []), inputs.skip_warmup, agg)
-            cells.append("n/a" if stat is None else f"{stat:.6g}")
+        unit = f" [{policy.unit}]" if policy and policy.unit else " [s]" if is_time(name) else ""
         note = " (not compared)" if name in m.NEVER_COMPARED else ""
-        lines.append(f"| {name}{note} | {policy.unit if policy else ''} | {agg} | " + " | ".join(cells) + " |")
+        for k, arm in enumerate(inputs.arms):
+            values = arm.series.get(name, [])
+            stats = [_window_stat(values, skip, s) for s in STATS]
+            cells = ["n/a" if s is None else f"{s:.4g}" for s in stats]
+            base = baselines.get(arm.lane)
+            delta = (_delta_cells(name, _window_stat(base.series.get(name, []), skip, "mean"), stats[0])
+                     if arm.role != "baseline" and base is not None else ["", "", ""])
+            label = f"{name}{unit}{note}" if k == 0 else ""
+            lines.append(f"| {label} | {_name(arm)} | {max(0, len(values) - skip)} | " + " | ".join(cells + delta) + " |")
     if any(arm.peak_vram_mib_per_gpu for arm in inputs.arms):
-        cells = [f"{max(a.peak_vram_mib_per_gpu.values()):.6g}" if a.peak_vram_mib_per_gpu else "n/a"
-                 for a in inputs.arms]
-        lines.append(f"| {m.PEAK_VRAM} (NVML, max over GPUs) | MiB | max | " + " | ".join(cells) + " |")
-    for agg in ("p50", "p90", "p99"):
-        cells = []
-        for arm in inputs.arms:
-            stat = _window_stat(arm.series.get(m.STEP_TIME, []), inputs.skip_warmup,
-                                "median" if agg == "p50" else agg)
-            cells.append("n/a" if stat is None else f"{stat:.6g}")
-        lines.append(f"| {m.STEP_TIME} | s | {agg} | " + " | ".join(cells) + " |")
+        for k, arm in enumerate(inputs.arms):
+            peak = max(arm.peak_vram_mib_per_gpu.values()) if arm.peak_vram_mib_per_gpu else None
+            label = f"{m.PEAK_VRAM} [MiB] (NVML, max over GPUs)" if k == 0 else ""
+            lines.append(f"| {label} | {_name(arm)} | - | {'n/a' if peak is None else f'{peak:.6g}'} | | | | | | |")
     return lines
 
 
-def _verdict_lines(verdict: PairVerdict | None) -> list[str]:
+def _verdict_lines(inputs: ReportInputs) -> list[str]:
+    verdict = inputs.verdict
     if verdict is None:
         return ["No verdict: the run did not produce metrics for both arms."]
+    base = next((a for a in inputs.arms if a.role == "baseline"), None)
+    kern = next((a for a in inputs.arms if a.role == "kernels"), None)
     lines = [f"**Pair verdict: {verdict.verdict.upper()}** ({verdict.case} on {verdict.platform})", ""]
-    lines += ["| lane | metric | baseline (fallbacks: required) | kernels | band | verdict | detail |",
-              "|---|---|---|---|---|---|---|"]
+    headers = ["lane", "metric", _header(base) if base else "baseline arm", _header(kern) if kern else "kernel arm",
+               "band", "verdict", "detail"]
+    lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for lane in verdict.lanes:
         for c in lane.gate.comparisons:
             band = "" if c.band is None else f"{c.band.describe()} ({c.band.source})"
             lines.append(f"| {lane.lane} | {c.name} | {_fmt(c.baseline)} | {_fmt(c.new)} | {band} | "
                          f"{c.verdict.label} | {c.detail} |")
-    lines.append("")
+    lines += ["", "The baseline arm runs without our kernels (a kernel fallback there is expected); the kernel arm "
+                  "runs with the kernel switch below.", ""]
     lines += [f"- note ({lane.lane}): {note}" for lane in verdict.lanes for note in lane.notes]
     return lines
 
@@ -221,44 +317,77 @@ def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.6g}"
 
 
+def _commit_lines(inputs: ReportInputs) -> list[str]:
+    lines = []
+    for name, commit in sorted(inputs.commits.items()):
+        dirty = inputs.dirty.get(name)
+        flag = "dirty: unknown" if dirty is None else "dirty: yes (uncommitted changes)" if dirty else "dirty: no"
+        lines.append(f"- {name}: `{commit or 'unknown'}` ({flag})")
+    return lines or ["- none recorded"]
+
+
 def write_report(out_dir: str | Path, inputs: ReportInputs) -> ReportPaths:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    skip = inputs.skip_warmup
-    plots: list[Path] = []
+    for old in out.glob("*.png"):  # a report directory holds this run's plots only
+        old.unlink()
+    skip, arms = inputs.skip_warmup, inputs.arms
+    others, left_out = _other_series(arms)
     makers = [
-        ("step_time_mean.png", lambda p: _plot_step_time_mean(inputs.arms, skip, p)),
-        ("step_time_steps.png", lambda p: _plot_over_steps(inputs.arms, [m.STEP_TIME], p, skip)),
-        ("module_breakdown.png", lambda p: _plot_module_breakdown(inputs.arms, skip, p)),
-        ("peak_vram.png", lambda p: _plot_peak_vram(inputs.arms, p)),
-        ("reward_absdiff.png", lambda p: _plot_over_steps(inputs.arms, [m.RAW_REWARD, m.ABS_DIFF], p, skip)),
+        ("step_time_mean.png", lambda p: _plot_step_time_mean(arms, skip, p), f"no {m.STEP_TIME} after warmup"),
+        ("step_time_steps.png", lambda p: _plot_over_steps(arms, [m.STEP_TIME], p, skip, m.STEP_TIME),
+         f"no {m.STEP_TIME}"),
+        ("module_breakdown.png", lambda p: _plot_module_breakdown(arms, skip, p), "no phase times (`*_time_s`)"),
+        ("peak_vram.png", lambda p: _plot_peak_vram(arms, p), "no memory measured (no NVML poller, no peak_*_mib series)"),
+        ("reward_absdiff.png", lambda p: _plot_over_steps(arms, [m.RAW_REWARD, m.ABS_DIFF], p, skip,
+                                                          f"{m.RAW_REWARD} and {m.ABS_DIFF}"),
+         f"no {m.RAW_REWARD} or {m.ABS_DIFF}"),
+        ("series_steps.png", lambda p: _plot_over_steps(arms, others, p, skip, "every other per-step series"),
+         "no other per-step series"),
     ]
+    plots: list[tuple[Path, str]] = []
     missing: list[str] = []
-    for filename, make in makers:
-        path = out / filename
-        if make(path):
-            plots.append(path)
+    for filename, make, why in makers:
+        caption = make(out / filename)
+        if caption:
+            plots.append((out / filename, caption))
         else:
-            missing.append(filename)
+            missing.append(f"{filename}: not drawn ({why} in this run)")
 
-    md = [f"# A/B report: {inputs.case}", "", inputs.scope, ""]
-    md += ["## Verdict", ""] + _verdict_lines(inputs.verdict) + [""]
-    md += ["## Metrics (window after %d warmup rollouts)" % skip, ""] + _metric_table(inputs) + [""]
-    md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    md += [f"- {name}: not drawn (no data for it in this run)" for name in missing] + [""]
+    verdict = inputs.verdict
+    headline = (f"**{verdict.verdict.upper()}**: pair verdict of {verdict.case} on {verdict.platform}"
+                if verdict else "**NO VERDICT**: the run did not produce metrics for both arms")
+    sections = ["Verdict", "Metrics", "Plots", "Reproduce", "Settings"]
+    md = [f"# A/B report: {inputs.case}", "", headline, "",
+          "Contents: " + " · ".join(f"[{s}](#{s.lower()})" for s in sections), "", inputs.scope, ""]
+    md += ["## Verdict", ""] + _verdict_lines(inputs) + [""]
+    md += ["## Metrics", "", f"After {skip} warmup rollouts; the kernel arm's rows give the change of the mean "
+                             "from its lane's baseline, and for times and throughputs the speedup (baseline time / "
+                             "kernel arm time).", ""]
+    md += _metric_table(inputs) + [""]
+    md += ["## Plots", ""]
+    for path, caption in plots:
+        md += [f"![{path.stem}]({path.name})", "", f"*{caption}*", ""]
+    md += [f"- {line}" for line in missing + [f"series left out of series_steps.png: {n}" for n in left_out]] + [""]
     md += ["## Reproduce", "", f"Engine: `{inputs.engine}`. Hardware: {inputs.hardware} (platform `{inputs.platform}`).", ""]
-    md += ["Commits:", ""] + [f"- {k}: `{v or 'unknown'}`" for k, v in sorted(inputs.commits.items())] + [""]
+    md += ["Commits:", ""] + _commit_lines(inputs) + [""]
+    if inputs.versions:
+        md += ["Software (the arms'): " + ", ".join(f"{k} {v or 'not installed'}"
+                                                   for k, v in sorted(inputs.versions.items())), ""]
     if inputs.kernel_switch:
         md += [f"The only difference between the arms (kernel switch): `{inputs.kernel_switch}`", ""]
     if inputs.setup_commands:
         md += ["Setup:", "", "```sh", *inputs.setup_commands, "```", ""]
-    for arm in inputs.arms:
+    for arm in arms:
         md += [f"### {_name(arm)}: {arm.status}", ""]
         if arm.log_path:
             md += [f"Full log: `{arm.log_path}`", ""]
         md += ["```sh", arm.command, "```", ""]
-    md += ["## Settings (identical in both arms)", "", "```json", json.dumps(inputs.settings, indent=2, sort_keys=True), "```", ""]
+    md += ["## Settings", "", "Identical in both arms:", "", "```json",
+           json.dumps(inputs.settings, indent=2, sort_keys=True), "```", ""]
     md += [f"- {note}" for note in inputs.notes]
+    text = "\n".join(md) + "\n"
     path = out / "report.md"
-    path.write_text("\n".join(md) + "\n")
-    return ReportPaths(path, plots)
+    path.write_text(text)
+    html = write_html(text, out, out / "report.html", title=f"A/B report: {inputs.case}")
+    return ReportPaths(path, [p for p, _ in plots], html)

@@ -52,6 +52,25 @@ def test_a_registered_engine_plans_runs_gates_and_reports(fake_engine, tmp_path,
     assert verdict.passed and {m.RAW_REWARD, m.ABS_DIFF, m.FALLBACK_COUNT} <= {c.name for c in verdict.gate.comparisons}
 
 
+def test_rlk_report_takes_an_ab_directory(fake_engine, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert rlk_main(["e2e", "run", str(_fake_spec_path(tmp_path)), "--out", str(out)]) == 0
+    first = (out / "report" / "report.md").read_text()
+    assert (out / "report" / "report.html").exists()  # beside the Markdown
+    capsys.readouterr()
+    assert rlk_main(["report", str(out), "-o", str(tmp_path / "again")]) == 0
+    assert f"wrote {tmp_path / 'again' / 'report.md'} and {tmp_path / 'again' / 'report.html'}" in capsys.readouterr().out
+    again = (tmp_path / "again" / "report.md").read_text()
+    assert "**PASS**: pair verdict of fake-ab on cpu" in again
+    assert again.split("## Metrics", 1)[1].split("## Reproduce", 1)[0] == first.split("## Metrics", 1)[1].split(
+        "## Reproduce", 1)[0]  # the same arms, read back
+    assert rlk_main(["report", str(out), "--no-plots"]) == 2
+    assert "--no-plots: " in capsys.readouterr().err
+    (out / "ab_result.json").unlink()  # as a run stopped before its end leaves it
+    assert rlk_main(["report", str(out)]) == 2
+    assert f"{out / 'ab_result.json'}: no A/B result" in capsys.readouterr().err
+
+
 def test_a_kernel_arm_env_that_lowers_the_reward_fails_the_gate(fake_engine, tmp_path):
     spec = load_spec(_fake_spec_path(tmp_path, {"FAKE_REWARD_DROP": "0.2"}))
     assert "# declared environment of the kernels arm: FAKE_REWARD_DROP=0.2" in plan_text(spec)

@@ -293,7 +293,7 @@ def test_trl_cpu_ab_moe_through_rlk_e2e_run_passes_the_gate(tmp_path, rlk_metric
     assert verdict.passed, verdict.failures()
     _assert_real_kernel_arm(run)
     report = (out / "report" / "report.md").read_text()
-    assert "only TRL's per-token log-probs" in report and "| peak_rss_mib | MiB | max |" in report
+    assert "only TRL's per-token log-probs" in report and "| peak_rss_mib [MiB] | trl (live) |" in report
 
 
 # ------------------------------------------------------------------------------------------

@@ -247,6 +247,7 @@ def test_tiny_training_step_kernels_match_reference(kind, kernels_arm, device, r
 
 
 @pytest.mark.tiny
+@pytest.mark.injected_fault("a kernels arm whose log-probs are 1e-3 too high")
 @pytest.mark.parametrize(("wrong_backend", "turns_gradient"), [
     (last_bit_backend.WRONG_DOTTED_PATH, False),
     (last_bit_backend.WRONG_AT_EVEN_DOTTED_PATH, True),

@@ -151,7 +151,7 @@ def test_report_has_the_table_and_a_bar_chart(tmp_path):
     storage.write_run(run_dir, synthetic_run())
     assert cli.main(["report", str(run_dir)]) == 0
     report = (run_dir / "report" / "report.md").read_text()
-    assert "## Performance (roofline)" in report
+    assert "## Performance and A/B\n\n### Roofline" in report
     assert "| logp | fwd | 8192x151936 | bf16 | - | HBM | rlk | 0.85 | 0.82 | 96.5% | - | - | 1.02 kB | - | 0.86 | 1.01x | 1.73 | 2.04x |" in report
     assert "| logp | fwd | 1x151936 | bf16 | rlk | 0.012 | 14.5 | 21.2 | c++ |" in report
     png = run_dir / "report" / "performance_ms.png"
@@ -197,7 +197,7 @@ def test_report_without_plots_says_so(tmp_path):
     storage.write_run(tmp_path / "run", synthetic_run())
     assert cli.main(["report", str(tmp_path / "run"), "--no-plots"]) == 0
     report = (tmp_path / "run" / "report" / "report.md").read_text()
-    assert "## Performance (roofline)" in report and "not drawn (`rlk report --no-plots`)" in report
+    assert "### Roofline" in report and "not drawn (`rlk report --no-plots`)" in report
     assert not list((tmp_path / "run" / "report").glob("*.png"))
 
 

@@ -51,7 +51,8 @@ def test_report_writes_markdown_and_non_blank_pngs(rlk_pytester):
     text = (out / "report.md").read_text()
     assert "# rlk run" in text and "logp_max_abs_err" in text and "![series_loss]" in text
     pngs = {p.name for p in out.glob("*.png")}
-    assert {"series_loss.png", "memory_peak_memory_bytes.png", "time_breakdown.png"} <= pngs
+    assert {"series_loss.png", "time_breakdown.png"} <= pngs
+    assert "| peak_memory_bytes | memory [B] |" in text  # a single value: a table row, not a chart
     image = image_io.imread(out / "series_loss.png")
     assert image.shape[0] > 100 and float(image[..., :3].std()) > 0.01  # not a blank canvas
 
@@ -130,7 +131,7 @@ def test_c_crashes():
     assert 'assert worst["max_abs_err"] < 1e-3' in failed.failure
     assert cli.main(["report", str(run_dir), "--no-plots"]) == 0
     report = (run_dir / "report" / "report.md").read_text()
-    failed_section = report.split("## Failed", 1)[1]
+    failed_section = report.split("## Failure messages", 1)[1]
     assert "`suites/op/test_crash.py::test_b_fails` (failed)" in failed_section
     assert "AssertionError: logp off by 0.25" in failed_section
 

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -240,7 +241,7 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path, *, model_root: Path |
         "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VIME_RL_", "TRITON_", "RLK_", "VLLM_"))},
         "versions": {
             "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "kernels": kernels.__version__,
+            "trl": trl.__version__, "kernels": kernels.__version__, "triton": _version("triton"),
             **({"vllm": vllm_rollout.versions()["vllm"]} if settings.rollout == "vllm" else {}),
         },
         "device": settings.device,
@@ -249,6 +250,13 @@ def run_training(spec_path: Path, arm: ArmRole, out: Path, *, model_root: Path |
         "wall_seconds": time.time() - started,
     }
     (out / RUN_INFO_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

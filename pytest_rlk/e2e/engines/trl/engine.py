@@ -148,5 +148,5 @@ class TrlEngine:
             hardware=kernel.get("hardware", f"{spec.hardware.gpus}x {spec.hardware.platform}"),
             setup_commands=["pip install -e '.[trl]'",
                             f"rlk e2e run {ctx.run_dir}/spec.json --out NEW_DIR   # both arms, the gate, this report"],
-            notes=notes, commits=dict(kernel.get("versions", {})),
+            notes=notes, versions=dict(kernel.get("versions", {})),
         )

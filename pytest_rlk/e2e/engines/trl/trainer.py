@@ -39,6 +39,7 @@ from kernels.integrations import trl as trl_integration
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.engines.trl.series import PROGRESS_PREFIX, step_line
 from pytest_rlk.e2e.engines.trl.settings import TrlSettings
+from pytest_rlk.platform import cpu_model
 
 # TRL's own train/rollout drift with a vLLM rollout: the token mean over the batch of
 # |log-prob of the training forward (its old_per_token_logps) - vLLM's sampling log-prob|.
@@ -54,7 +55,7 @@ def peak_memory_mib(device: str) -> tuple[str, float]:
 def hardware(device: str) -> str:
     if device == "cuda":
         return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, CUDA {torch.version.cuda}"
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    return f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores"
 
 
 def masked_sample_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
