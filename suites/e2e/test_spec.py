@@ -84,7 +84,7 @@ def test_trl_arms_import_this_checkout_first_and_keep_the_callers_pythonpath(mon
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/extra-site", "/opt/other"]))
     assert rlk_main(["e2e", "plan", TRL_SPECS[0].stem]) == 0
     arms = [_trl_plan_arm(line) for line in capsys.readouterr().out.splitlines() if line.startswith("cd ")]
-    assert len(arms) == 2
+    assert len(arms) == 2 * len(load_spec(TRL_SPECS[0]).lanes)
     for workdir, env, _ in arms:
         assert env["PYTHONPATH"] == os.pathsep.join([workdir, "/opt/extra-site", "/opt/other"])
 
@@ -95,19 +95,32 @@ def test_trl_plan_prints_both_arms_identical_except_the_kernel_switch(path, caps
     assert rlk_main(["e2e", "plan", path.stem]) == 0
     out = capsys.readouterr().out
     spec = load_spec(path)
-    (b_dir, b_env, b_argv), (k_dir, k_env, k_argv) = (
-        _trl_plan_arm(line) for line in out.splitlines() if line.startswith("cd "))
-    assert b_dir == k_dir and b_env["PYTHONPATH"].split(os.pathsep)[0] == b_dir
-    assert {k: v for k, v in k_env.items() if k not in spec.kernel_switch.env} == b_env
-    assert all(k_env[k] == v and k not in b_env for k, v in spec.kernel_switch.env.items())
-    assert b_argv[1:5] == ["-m", "pytest_rlk.e2e.engines.trl.child", "--spec", f"{RUN_DIR}/spec.json"]
-    switch = list(spec.kernel_switch.args)
-    k_rest = k_argv[: len(k_argv) - len(switch)]
-    assert k_argv[len(k_rest):] == switch
-    # argv ends with `--arm ROLE --out RUN/ROLE`; everything else is identical
-    assert b_argv[-4:] == ["--arm", "baseline", "--out", f"{RUN_DIR}/live/baseline"]
-    assert k_rest[-4:] == ["--arm", "kernels", "--out", f"{RUN_DIR}/live/kernels"]
-    assert k_rest[:-4] == b_argv[:-4]
+    lanes: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("## lane "):
+            lane = line.removeprefix("## lane ")
+        elif line.startswith("cd "):
+            lanes.setdefault(lane, []).append(line)
+    assert sorted(lanes) == sorted(spec.lanes)
+    recorded = f"{RUN_DIR}/replay/baseline/rollouts.jsonl"
+    for lane, lines in lanes.items():
+        (b_dir, b_env, b_argv), (k_dir, k_env, k_argv) = (_trl_plan_arm(line) for line in lines)
+        assert b_dir == k_dir and b_env["PYTHONPATH"].split(os.pathsep)[0] == b_dir
+        assert {k: v for k, v in k_env.items() if k not in spec.kernel_switch.env} == b_env
+        assert all(k_env[k] == v and k not in b_env for k, v in spec.kernel_switch.env.items())
+        assert b_argv[1:7] == ["-m", "pytest_rlk.e2e.engines.trl.child", "--spec", f"{RUN_DIR}/spec.json",
+                               "--model-dir", f"{RUN_DIR}/model"]
+        switch = list(spec.kernel_switch.args)
+        k_rest = k_argv[: len(k_argv) - len(switch)]
+        assert k_argv[len(k_rest):] == switch
+        # argv ends with the lane's per-arm arguments: `--arm ROLE --out RUN/LANE/ROLE`, and in the
+        # replay lane the baseline's recording or the other arms' replay of it; the rest is identical
+        tail = {"baseline": ["--record-rollouts", recorded], "kernels": ["--replay-rollouts", recorded]} \
+            if lane == "replay" else {"baseline": [], "kernels": []}
+        n = 4 + len(tail["baseline"])
+        assert b_argv[-n:] == ["--arm", "baseline", "--out", f"{RUN_DIR}/{lane}/baseline", *tail["baseline"]]
+        assert k_rest[-n:] == ["--arm", "kernels", "--out", f"{RUN_DIR}/{lane}/kernels", *tail["kernels"]]
+        assert k_rest[:-n] == b_argv[:-n]
     assert b_env.get("TRITON_INTERPRET") == ("1" if spec.hardware.platform == "cpu" else None)
 
 
