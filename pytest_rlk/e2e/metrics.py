@@ -52,6 +52,11 @@ LOSS_FWD_BWD_TIME = "loss_fwd_bwd_time_s"  # the training forward, the loss and 
 OPTIMIZER_TIME = "optimizer_time_s"
 ENTROPY = "entropy"
 
+# The rest of the mismatch table (pytest_rlk.mismatch.metrics.METRICS: formulas and the peers that
+# read them) beside vime's abs_diff, recorded per step where an engine has both log-probs; reported.
+MISMATCH_REPORTED: tuple[str, ...] = ("logp_abs_mean", "logp_abs_max", "token_mult_prob_error", "prob_abs_mean",
+                                      "kl_k3", "is_weight_mean", "is_ess", "is_capped_2", "is_capped_5")
+
 # Entropy is recorded for the report, never compared across arms: on the fork's linear-logp path
 # vime's kernel arm does not materialize it (train/entropy_loss reads 0 there; vime-facts.md,
 # "Kernel switches"; the custom-loss adapter does compute it, as vime does), and in the
@@ -151,5 +156,8 @@ E2E_METRICS: dict[str, MetricPolicy] = {
         _policy(PEAK_RSS, "MiB", "lower_is_better", "memory", "report", "max", None),
         _policy(TRAIN_TOKENS_PER_S, "tok/s", "higher_is_better", "throughput", "report", "median", None),
         _policy(FALLBACK_COUNT, "", "lower_is_better", "count", "fallback", "max", FALLBACK_BAND),
+        *(_policy(name, "", "two_sided" if name.startswith("is_") and not name.startswith("is_capped") else
+                  "lower_is_better", "ratio" if name.startswith("is_") or name == "token_mult_prob_error" else "logprob",
+                  "report", "mean", None) for name in MISMATCH_REPORTED),
     )
 }

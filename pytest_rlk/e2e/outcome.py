@@ -148,6 +148,7 @@ def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels"
         kernel_fallback_events=kern.reading.fallback_events,
         baseline_scalars=_peak(base), kernels_scalars=_peak(kern), bands=spec.bands,
     )
+    verdict.gate.comparisons.extend(absolute_checks(run, lane, (base, kern)))
     for outcome in (base, kern):
         for problem in outcome.problems:
             verdict.gate.comparisons.append(MetricComparison(
@@ -159,6 +160,38 @@ def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels"
                 name=m.PEAK_VRAM, verdict=Verdict.MISSING_METRIC, detail=f"memory gate without NVML: {missing[0]}"))
     verdict.notes.extend(base.reading.notes + kern.reading.notes)
     return verdict
+
+
+def absolute_checks(run: ABRun, lane: Lane, arms: tuple[ArmOutcome, ...]) -> list[MetricComparison]:
+    """Checks of each arm on its own, beside the A/B comparison:
+
+    - vime's ceiling ``train_rollout_logprob_abs_diff <= 0.1`` on every step of a live lane
+      (pytest_rlk.mismatch.gates: the assert vime and slime run under --ci-test);
+    - the step-0 identities where the engine's first step has old = reference = current weights
+      (``Engine.step0_identities``; pytest_rlk.mismatch.identities): ``kl_loss`` 0 within the ops'
+      tolerance at the training dtype.
+    """
+    from pytest_rlk.mismatch import every_step_within, step0_problems, step0_tolerance
+    from pytest_rlk.mismatch.gates import VIME_CEILING_ONLY
+
+    out: list[MetricComparison] = []
+    engine = get_engine(run.spec.engine)
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(getattr(run.spec.settings, "dtype", ""), "fp32")
+    for arm in arms:
+        series = arm.series
+        if lane == "live" and m.ABS_DIFF in series:
+            problems = every_step_within([{m.ABS_DIFF: v} for v in series[m.ABS_DIFF]], VIME_CEILING_ONLY)
+            out.append(MetricComparison(
+                name=f"{arm.role}.{m.ABS_DIFF}_ceiling", verdict=Verdict.REGRESSION if problems else Verdict.PASS,
+                detail="; ".join(problems[:3]) or f"every step <= {VIME_CEILING_ONLY[0].high:g} "
+                                                  f"({VIME_CEILING_ONLY[0].source})"))
+        if getattr(engine, "step0_identities", False) and series.get(m.KL_LOSS):
+            problems = step0_problems(kl_loss=series[m.KL_LOSS][0], tolerance=step0_tolerance(dtype))
+            out.append(MetricComparison(
+                name=f"{arm.role}.step0_kl_loss", verdict=Verdict.REGRESSION if problems else Verdict.PASS,
+                detail="; ".join(problems) or f"kl_loss[0] = {series[m.KL_LOSS][0]:.3g}: old = reference = "
+                                              "current weights at step 0"))
+    return out
 
 
 def write_run_report(run: ABRun, out_dir: Path, *, kernels_key: str = "kernels",

@@ -59,6 +59,9 @@ class TrlEngine:
         "report makes no claim about loss or ratio/KL kernels. " + NO_MOE_CLAIM
     )
     options = ()
+    # the first step's policy, old policy and reference are the same weights (TRL copies the
+    # reference from the policy; one optimizer step per rollout): kl_loss[0] is 0 (outcome.absolute_checks)
+    step0_identities = True
 
     def prepare(self, spec: ABSpec, options: Mapping[str, Any], *, run_dir: str, for_run: bool) -> TrlContext:
         checkpoint = spec.model.hf_checkpoint

@@ -37,6 +37,7 @@ from trl import GRPOTrainer
 import kernels
 from kernels.integrations import trl as trl_integration
 from pytest_rlk.e2e import metrics as m
+from pytest_rlk.mismatch import mismatch_metrics
 from pytest_rlk.e2e.engines.trl.series import PROGRESS_PREFIX, step_line
 from pytest_rlk.e2e.engines.trl.settings import TrlSettings
 from pytest_rlk.platform import cpu_model
@@ -137,6 +138,9 @@ class TimedGRPOTrainer(GRPOTrainer):
                 raise RuntimeError("the rollout recorded no sampler log-probs (rollout_func 'logprobs')")
             mask = self._rlk_inputs["completion_mask"].float()
             self._rlk_add(m.ABS_DIFF, masked_sample_mean((result[0].detach().float() - sampled.float()).abs(), mask))
+            # the whole mismatch table (pytest_rlk.mismatch) of this step, as the field reads it
+            table = mismatch_metrics(result[0].detach().float(), sampled.float(), mask).values()
+            self.rlk_step.update({name: value for name, value in table.items() if name in m.MISMATCH_REPORTED})
         return result
 
     def training_step(self, model, inputs, num_items_in_batch):
@@ -261,7 +265,7 @@ class MetricsCallback(TrainerCallback):
             row[m.KL_LOSS] = float(logs["kl"])
         if "clip_ratio/region_mean" in logs:
             row[m.PG_CLIPFRAC] = float(logs["clip_ratio/region_mean"])
-        for name in (m.REF_LOG_PROBS_TIME, m.LOG_PROBS_TIME, m.ABS_DIFF):
+        for name in (m.REF_LOG_PROBS_TIME, m.LOG_PROBS_TIME, m.ABS_DIFF, *m.MISMATCH_REPORTED):
             if name in step:
                 row[name] = step[name]
         if self.settings.rollout == "vllm" and self.settings.logprob_diff:
