@@ -7,7 +7,7 @@ from pathlib import Path, PurePath
 
 from pytest_rlk.schema import PlatformInfo
 
-TIERS: tuple[str, ...] = ("op", "module", "e2e")
+TIERS: tuple[str, ...] = ("op", "module", "e2e", "plugin")
 PLATFORM_TAGS: tuple[str, ...] = ("h100", "h200", "a100", "gb200")
 PLATFORM_NAMES = {"h100": "H100", "h200": "H200", "a100": "A100", "gb200": "GB200"}
 
@@ -22,6 +22,7 @@ MARKERS: dict[str, str] = {
     "op": "tier: operator parity, invariance, bad input and benchmarks",
     "module": "tier: training step, vocab-parallel and vLLM drift checks",
     "e2e": "tier: end-to-end A/B runs",
+    "plugin": "tier: the plugin's own tests (suites/plugin: plain-module and pytester tests)",
     "bench": "benchmark (timing) test",
     "slow": "slow test",
     "vime": "needs a vime checkout (--rlk-vime-root)",

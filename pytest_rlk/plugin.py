@@ -63,7 +63,7 @@ def pytest_addhooks(pluginmanager):
 
 def pytest_addoption(parser):
     group = parser.getgroup("rlk", "pytest-rlk: RL kernel validation, metrics and baselines")
-    group.addoption("--rlk-tier", default="op", help="comma list of tiers to run: op,module,e2e (default: op)")
+    group.addoption("--rlk-tier", default="op", help="comma list of tiers to run: op,module,e2e,plugin (plugin: the plugin's own tests; default: op)")
     group.addoption("--rlk-artifacts", metavar="DIR", default=None, help="run files go to DIR/<run_id>/ (default: .rlk/runs under rootdir)")
     group.addoption("--rlk-baselines", metavar="DIR", default=None, help="baseline directory (default: baselines/ under rootdir)")
     group.addoption("--rlk-update-baselines", metavar="failed|all", default=None, help="failed: rewrite failing baselines (the tests still fail); all: rewrite every baseline touched (passes)")
@@ -559,10 +559,15 @@ def pytest_sessionfinish(session, exitstatus):
     state.run = rlk_session.merge_run(state.run_dir, status=status, exit_status=int(exitstatus))
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The rlk section comes after pytest's own summaries (the terminal reporter prints its short
+    test summary as its wrapper unwinds, inside this one): the verdict, the artifacts and the
+    commands to report are the last lines above pytest's count."""
+    result = yield
     state = config.stash.get(STATE, None)
     if state is None or state.run is None:
-        return
+        return result
     run = state.run
     terminalreporter.section("rlk")
     for line in summary_lines(run, state.run_dir, state.opts.tiers, not_collected=state.not_collected):
@@ -570,3 +575,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for extra in config.hook.pytest_rlk_summary(config=config, run=run):
         for line in extra or ():
             terminalreporter.write_line(line)
+    return result

@@ -17,6 +17,11 @@ SLOWEST_AFTER_S = 60.0  # sessions longer than this list their slowest tests (CI
 SLOWEST_COUNT = 5
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``count(1, "test")`` -> ``1 test``; ``count(2, "test")`` -> ``2 tests``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.6g}"
 
@@ -128,7 +133,7 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
 
     ``not_collected``: tier -> its directory, skipped at collection (tier not selected)."""
     per_tier = Counter(t.tier or "untiered" for t in run.tests)
-    ran = ", ".join(f"{tier} ({per_tier.get(tier, 0)} tests)" for tier in tiers)
+    ran = ", ".join(f"{tier} ({count(per_tier.get(tier, 0), 'test')})" for tier in tiers)
     lines = [f"tiers run: {ran}" + (f"; untiered: {per_tier['untiered']}" if per_tier.get("untiered") else "")]
     if any(run.deselected.values()):
         lines.append("deselected (tier not selected): " + ", ".join(
@@ -188,7 +193,7 @@ def backend_lines(run: RunRecord) -> list[str]:
     if not used:
         return []
     return ["kernel backends exercised: " + ", ".join(
-        f"{b} ({n} test{'s' if n > 1 else ''})" for b, n in used.most_common())]
+        f"{b} ({count(n, 'test')})" for b, n in used.most_common())]
 
 
 def run_elapsed_s(run: RunRecord) -> float | None:
