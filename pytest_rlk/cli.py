@@ -1,11 +1,12 @@
 """The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands:
-``rlk e2e ...``, ``rlk nightly``, ``rlk verdict``, ``rlk same``).
+``rlk e2e ...``, ``rlk nightly``, ``rlk verdict``, ``rlk same``, ``rlk drift``; ``rlk --help`` lists them all).
 
 ``rlk diff RUN --a-tag backend=X --b-tag backend=Y`` compares two tag selections of one run
 (``pytest_rlk.tag_diff``).
 
 Exit codes: 0 clean, 1 a regression (or an improvement under --fail-on-improvement, or a
-missing baseline under --require-baselines), 2 usage error or an unreadable/corrupt file.
+missing baseline under --require-baselines), 2 usage error, an unreadable/corrupt file, or a diff
+of a partial run (stopped before its end) without --allow-partial.
 
 Other parts add subcommands through ``add_subcommands(subparsers)`` in ``pytest_rlk.e2e.cli``,
 ``pytest_rlk.bench_cli`` and ``pytest_rlk.drift.cli`` (``rlk drift``); each subparser sets ``func=handler`` with ``handler(args) -> int``.
@@ -73,9 +74,23 @@ def _verdict_counts(results: list[GateResult]) -> str:
     return ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "nothing to compare"
 
 
+def _check_complete(path: Path, run: RunRecord, allow_partial: bool) -> None:
+    """A diff of a partial run passes over the tests it never recorded: an error, unless asked for."""
+    if run.partial and not allow_partial:
+        raise PartialRunError(f"{path}: {run.describe_status()}; a diff of it says nothing of the tests it "
+                              "did not record: rerun it, or pass --allow-partial to compare what it holds"
+                              + (" (rlk merge finalizes a run that is not running any more)"
+                                 if run.status == "running" else ""))
+
+
+class PartialRunError(OptionError):
+    """``rlk diff`` of a run stopped before its end, without ``--allow-partial``."""
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     refresh_rel = parse_refresh_rel(args.refresh_rel)
     new_path, new = _load_run(args.runs[0], args.artifacts)
+    _check_complete(new_path, new, args.allow_partial)
     notes: list[str] = []
     if args.a_tag or args.b_tag:
         if len(args.runs) != 1:
@@ -88,6 +103,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
               "paired by metric and the other tags (A is the reference)")
     elif len(args.runs) == 2:
         b_path, b = _load_run(args.runs[1], args.artifacts)
+        _check_complete(b_path, b, args.allow_partial)
         results = diff_runs(new, b, refresh_rel=refresh_rel)
         headers = ("metric", "A", "B", *DIFF_HEADERS[3:])
         print(f"A/B: A = {new_path} ({new.describe_status()}), B = {b_path} ({b.describe_status()})")
@@ -95,7 +111,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         results = diff_against_baselines(new, args.baselines, refresh_rel=refresh_rel)
         headers = DIFF_HEADERS
         notes = missing_baseline_lines(new, results)
-        print(f"run {new_path} ({new.describe_status()}) vs baselines {args.baselines} "
+        print(f"run {new_path} ({new.describe_status()}) vs the baselines in {args.baselines}/ "
               f"(platform {new.manifest.platform.tag})")
     print(diff_table(results, headers=headers, wide=args.wide))
     print(_verdict_counts(results))
@@ -154,7 +170,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlk", description="pytest-rlk runs: diff, report, merge")
+    parser = argparse.ArgumentParser(prog="rlk")
     parser.add_argument("--artifacts", type=Path, default=None,
                         help="where 'latest' and run ids are looked up (default: .rlk/runs here or in "
                              "the nearest parent directory that has one)")
@@ -172,12 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --b-tag: compare two tag selections of ONE run (e.g. backend=rlk-triton "
                            "vs backend=rl_engine), paired by metric and the other tags; repeatable")
     diff.add_argument("--b-tag", action="append", metavar="KEY=VALUE", help="the B side (see --a-tag)")
+    diff.add_argument("--allow-partial", action="store_true",
+                      help="compare a run stopped before its end (interrupted, crashed, running) too; "
+                           "without it such a run exits 2")
     diff.add_argument("--wide", action="store_true",
                       help="one line per metric as case/metric with the verdicts spelt out (for grep; "
                            "default: metrics grouped under their case, about 100 columns)")
     diff.set_defaults(func=cmd_diff)
 
-    report = sub.add_parser("report", help="write report.md and PNG plots for a run")
+    report = sub.add_parser("report", help="write a run's report: report.md and report.html (one self-contained "
+                                           "page, charts inlined)")
     report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
@@ -211,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
             print(f"rlk: warning: {name} has no add_subcommands(subparsers)", file=sys.stderr)
             continue
         add(sub)
+    parser.description = f"pytest-rlk runs and the tools around them; commands: {', '.join(sub.choices)}"
     return parser
 
 

@@ -19,6 +19,7 @@ import pytest
 from pytest_rlk import hookspec, markers, options, sharding, storage
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import session as rlk_session
+from pytest_rlk.signals import StopSignals
 from pytest_rlk._kernels_guard import check_imported_kernels
 from pytest_rlk.failures import report_failure
 from pytest_rlk.gate import GateSettings, gate_test
@@ -43,6 +44,7 @@ class RlkState:
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
     current_test: str | None = None  # the test being set up or run (named by progress lines)
     gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
+    signals: StopSignals = field(default_factory=StopSignals)
 
 
 STATE = pytest.StashKey[RlkState]()
@@ -123,8 +125,21 @@ def pytest_configure(config):
         state.saved_backend_env = (options.BACKEND_ENV in os.environ, os.environ.get(options.BACKEND_ENV))
         os.environ[options.BACKEND_ENV] = opts.backend
     config.stash[STATE] = state
+    if state.worker is None and state.signals.install():
+        config.pluginmanager.register(state.signals, "rlk-stop-signals")  # its pytest_keyboard_interrupt
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(), "rlk-xdist")
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_configure")
+def pytest_configure_check_marker_expression(config):
+    """Once every plugin and the root conftest registered their markers (so before a run
+    directory exists): ``-m`` naming an unregistered marker selects nothing, silently; a usage error."""
+    if config.option.markexpr:
+        error = markers.unknown_marker_error(config.option.markexpr,
+                                             markers.registered_names(config.getini("markers")))
+        if error:
+            raise pytest.UsageError(error)
 
 
 def _check_backend_loads(name: str, plat: PlatformInfo) -> None:
@@ -140,6 +155,8 @@ def _check_backend_loads(name: str, plat: PlatformInfo) -> None:
 
 def pytest_unconfigure(config):
     state = config.stash.get(STATE, None)
+    if state is not None:
+        state.signals.restore()
     if state is not None and state.opts.backend is not None:
         had, value = state.saved_backend_env
         if had:
@@ -254,6 +271,15 @@ def pytest_sessionstart(session):
     if run_dir is not None and not config.pluginmanager.hasplugin("dsession"):
         state.writer = rlk_session.PartWriter(run_dir, state.worker or "main")
         state.writer.flush()
+
+
+def pytest_report_header(config):
+    """The run directory, and how to finish it should the process die before its summary."""
+    state = config.stash.get(STATE, None)
+    if state is None or state.worker is not None or state.run_dir is None:
+        return None
+    return [f"rlk: run {state.run_dir}; stopped before its summary (killed): rlk merge {state.run_dir}, "
+            "then rlk report"]
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -554,6 +580,10 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     state = config.stash.get(STATE, None)
     if state is None or state.worker is not None or state.run_dir is None or config.option.collectonly:
+        return
+    state.signals.finishing()
+    if exitstatus == pytest.ExitCode.USAGE_ERROR and rlk_session.discard_run_without_results(state.run_dir):
+        state.run_dir = None  # a usage error found during collection: no run to report
         return
     status = "interrupted" if exitstatus == pytest.ExitCode.INTERRUPTED else "complete"
     state.run = rlk_session.merge_run(state.run_dir, status=status, exit_status=int(exitstatus))

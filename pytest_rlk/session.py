@@ -12,6 +12,7 @@ hides the last run with results from ``rlk diff latest``.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -107,6 +108,16 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     )
     storage.write_run(run_dir, run)
     return run
+
+
+def discard_run_without_results(run_dir: Path) -> bool:
+    """Remove a run directory no test result reached (a usage error found while collecting);
+    True when removed. A run with any result, or files the tests wrote, is kept."""
+    parts = [storage.load_part(p) for p in sorted((run_dir / PARTS).glob("*.json"))]
+    if any(part.tests or part.files for part in parts) or (run_dir / TESTS).exists() or (run_dir / FILES).exists():
+        return False
+    shutil.rmtree(run_dir)
+    return True
 
 
 def _controller_alive(header: RunRecord) -> bool:

@@ -175,12 +175,22 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
         lines.append("kernel fallbacks: " + ", ".join(f"{op}={n}" for op, n in sorted(run.fallback_counts.items())))
     lines += [f"file: {description}: {_shown(Path(path))}" for description, path in sorted(run.files.items())]
     lines += slowest_lines(run)
-    lines.append(f"run status: {run.status}; artifacts: {run_dir}")
+    lines.append(f"run status: {run.describe_status()}; artifacts: {run_dir}")
     if not run.tests:  # session.py: `latest` moves at a run's first result
         lines.append("latest: not moved (this run recorded no test)")
         return lines
+    if run.partial:
+        lines += partial_run_lines(run_dir)
+        return lines
     lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")
     return lines
+
+
+def partial_run_lines(run_dir: Path) -> list[str]:
+    """What to do with a run stopped before its end (the same lines start a stopped run's summary
+    and the session's header, which a run killed before its summary still printed)."""
+    return [f"merge: rlk merge {run_dir}   (finalizes run.json from the parts its processes wrote)",
+            f"report: rlk report {run_dir}   diff: rlk diff {run_dir} --allow-partial"]
 
 
 def exercised_backends(run: RunRecord) -> Counter[str]:
