@@ -24,8 +24,8 @@ from pytest_rlk.gate import UNTIERED
 from pytest_rlk.options import OptionError, parse_refresh_rel
 from pytest_rlk.schema import GateResult, RunRecord
 from pytest_rlk.session import merge_run
-from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines
-from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text
+from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines, one_run_only_lines
+from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text, unsupported_lines
 
 EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli")
 
@@ -49,16 +49,18 @@ def diff_against_baselines(run: RunRecord, baselines: Path, *, refresh_rel: floa
     return results
 
 
-def diff_runs(a: RunRecord, b: RunRecord, *, refresh_rel: float | None) -> list[GateResult]:
-    """A/B per case: A is the reference. A case missing from one side shows all its metrics."""
-    a_cases = {t.case: t for t in a.tests if t.metrics}
-    b_cases = {t.case: t for t in b.tests if t.metrics}
+def diff_runs(a: RunRecord, b: RunRecord, *, refresh_rel: float | None
+              ) -> tuple[list[GateResult], list[str], list[str]]:
+    """A/B per case (A is the reference) of the cases both runs gate; and the gated cases of A
+    only and of B only, not compared (the runs selected different tests)."""
+    a_cases = {t.case: t for t in a.tests if any(m.gate for m in t.metrics)}
+    b_cases = {t.case: t for t in b.tests if any(m.gate for m in t.metrics)}
     results = []
-    for case in sorted(a_cases.keys() | b_cases.keys()):
-        a_metrics = [m for m in a_cases[case].metrics if m.gate] if case in a_cases else []
-        b_metrics = [m for m in b_cases[case].metrics if m.gate] if case in b_cases else []
+    for case in sorted(a_cases.keys() & b_cases.keys()):
+        a_metrics = [m for m in a_cases[case].metrics if m.gate]
+        b_metrics = [m for m in b_cases[case].metrics if m.gate]
         results.append(compare_records(a_metrics, b_metrics, case=case, refresh_rel=refresh_rel))
-    return results
+    return results, sorted(a_cases.keys() - b_cases.keys()), sorted(b_cases.keys() - a_cases.keys())
 
 
 def _exit_code(results: list[GateResult], *, fail_on_improvement: bool, require_baselines: bool) -> int:
@@ -99,13 +101,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
         b = parse_selectors(args.b_tag or [], "--b-tag")
         results = diff_tag_selections(new, a, b, refresh_rel=refresh_rel)
         headers = ("metric", f"A:{selector_text(a)}", f"B:{selector_text(b)}", *DIFF_HEADERS[3:])
+        notes = unsupported_lines(results)
         print(f"run {new_path} ({new.describe_status()}): A = {selector_text(a)}, B = {selector_text(b)}; "
               "paired by metric and the other tags (A is the reference)")
     elif len(args.runs) == 2:
         b_path, b = _load_run(args.runs[1], args.artifacts)
         _check_complete(b_path, b, args.allow_partial)
-        results = diff_runs(new, b, refresh_rel=refresh_rel)
+        results, only_a, only_b = diff_runs(new, b, refresh_rel=refresh_rel)
         headers = ("metric", "A", "B", *DIFF_HEADERS[3:])
+        notes = one_run_only_lines(only_a, only_b)
         print(f"A/B: A = {new_path} ({new.describe_status()}), B = {b_path} ({b.describe_status()})")
     else:
         results = diff_against_baselines(new, args.baselines, refresh_rel=refresh_rel)

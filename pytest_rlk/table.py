@@ -51,7 +51,11 @@ def diff_table(results: Iterable[GateResult], *, headers: Sequence[str] = DIFF_H
     """``wide``: one line per metric, ``case/metric`` (for grep). Otherwise one line per case
     and its metrics indented under it (about 100 columns); a case without its baseline file is
     one line naming its metrics; notes explain the short verdicts and name the band sources."""
-    results = list(results)
+    # unsupported metrics are named once per backend under the table (tag_diff.unsupported_lines);
+    # a case with nothing to compare (no gated metric on either side) has no line
+    results = [r.model_copy(update={"comparisons": [c for c in r.comparisons if c.verdict is not Verdict.UNSUPPORTED]})
+               for r in results]
+    results = [r for r in results if r.comparisons]
     if wide:
         rows = [comparison_row(c, f"{r.case}/") for r in results for c in r.comparisons]
         return "\n".join([format_table(headers, rows)] + _notes(results, short=False))
@@ -83,6 +87,21 @@ def format_grouped(headers: Sequence[str], rows: Sequence[list[str] | str]) -> s
         else:
             out.append(line(row))
     return "\n".join(out)
+
+
+def one_run_only_lines(only_a: Sequence[str], only_b: Sequence[str]) -> list[str]:
+    """The cases of an A/B diff that one run holds and the other does not, under one heading with
+    counts (not compared: the runs selected different tests)."""
+    if not only_a and not only_b:
+        return []
+    lines = [f"cases in one run only (not compared): {len(only_a) + len(only_b)} "
+             f"({len(only_a)} in A only, {len(only_b)} in B only)"]
+    for side, cases in (("A", only_a), ("B", only_b)):
+        if cases:
+            lines += textwrap.wrap(f"{side} only ({len(cases)}): " + ", ".join(cases), GROUPED_WIDTH,
+                                   initial_indent="  ", subsequent_indent="      ",
+                                   break_long_words=False, break_on_hyphens=False)
+    return lines
 
 
 def _notes(results: Sequence[GateResult], *, short: bool) -> list[str]:
