@@ -109,6 +109,17 @@ def _unsupported_reason(tests: dict[str, TestRecord], nodeids: Sequence[str], he
     return None
 
 
+def _mark_not_returned(result: GateResult, verdict: Verdict, side: str, tests: dict[str, TestRecord],
+                       nodeids: Sequence[str]) -> None:
+    """A metric the side's tests, which passed, did not record: its backend does not return it
+    (the test's contract lets a backend leave it out)."""
+    if not all(tests[n].outcome == "passed" for n in nodeids):
+        return  # a failed test may have stopped before recording it: missing, not unsupported
+    for c in result.comparisons:
+        if c.verdict is verdict:
+            c.verdict, c.detail = Verdict.UNSUPPORTED, f"{side}: returns no {c.name} (its tests pass without it)"
+
+
 def _mark_unsupported(result: GateResult, verdict: Verdict, side: str, reason: str) -> None:
     for c in result.comparisons:
         if c.verdict is verdict:
@@ -136,6 +147,9 @@ def diff_tag_selections(run: RunRecord, a: Selector, b: Selector, *,
             _mark_unsupported(result, Verdict.MISSING_METRIC, f"B ({selector_text(b)})", why)
         elif key not in a_groups and (why := _unsupported_reason(tests, b_sources[key], b, a)):
             _mark_unsupported(result, Verdict.NEW_METRIC, f"A ({selector_text(a)})", why)
+        elif key in a_groups and key in b_groups:
+            _mark_not_returned(result, Verdict.MISSING_METRIC, f"B ({selector_text(b)})", tests, b_sources[key])
+            _mark_not_returned(result, Verdict.NEW_METRIC, f"A ({selector_text(a)})", tests, a_sources[key])
         results.append(result)
     return results
 
@@ -145,16 +159,18 @@ def unsupported_lines(results: Sequence[GateResult]) -> list[str]:
     groups, and its reasons with counts (the table leaves these metrics out)."""
     by_side: dict[str, tuple[Counter[str], set[str], list[int]]] = {}
     for r in results:
+        seen: set[str] = set()
         for c in r.with_verdict(Verdict.UNSUPPORTED):
             side, _, reason = c.detail.partition(": ")
             reasons, cases, metrics = by_side.setdefault(side, (Counter(), set(), [0]))
-            if r.case not in cases:
+            if (side, reason) not in seen:
                 reasons[reason] += 1
+                seen.add((side, reason))
             cases.add(r.case)
             metrics[0] += 1
     lines = []
-    for side, (reasons, cases, metrics) in by_side.items():
+    for side, (reasons, cases, metrics) in sorted(by_side.items()):
         lines.append(f"unsupported by {side}: {metrics[0]} metric{'s' if metrics[0] != 1 else ''} of "
-                     f"{len(cases)} group{'s' if len(cases) != 1 else ''} (not a failure); its skips:")
-        lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
+                     f"{len(cases)} group{'s' if len(cases) != 1 else ''} (not a failure); why, by groups:")
+        lines += [f"  {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda item: (-item[1], item[0]))]
     return lines
