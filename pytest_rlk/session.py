@@ -130,3 +130,20 @@ def _controller_alive(header: RunRecord) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
+
+
+class RunFiles:
+    """Files of the whole run (not of one test): ``DIR/<run_id>/files/<name>``, each named with
+    its description in the rlk summary and the report (e.g. a table several tests fill)."""
+
+    def __init__(self, state) -> None:  # the plugin's RlkState: its run_dir and writer
+        self._state = state
+
+    def path(self, name: str, description: str) -> Path:
+        if self._state.run_dir is None:
+            raise RuntimeError("rlk_files.path: this run writes no artifacts")
+        path = self._state.run_dir / FILES / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._state.writer is not None:
+            self._state.writer.add_file(description, path)
+        return path
