@@ -238,6 +238,16 @@ def pytest_collection_modifyitems(config, items):
         state.writer.set_deselected(state.deselected)
 
 
+def pytest_deselected(items):
+    """Counts what ``-m`` / ``-k`` deselected of the selected tiers (the tier deselection is
+    counted where it happens), so the summary says what the selection left out."""
+    for item in items:
+        state = item.config.stash.get(STATE, None)
+        if state is not None and markers.tier_of(Path(item.path), (m.name for m in item.iter_markers())) \
+                in (*state.opts.tiers, None):
+            state.deselected_by_selection += 1
+
+
 def pytest_collection_finish(session):
     state = session.config.stash.get(STATE, None)
     if state is not None and state.writer is not None:
@@ -377,7 +387,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return result
     run = state.run
     terminalreporter.section("rlk")
-    for line in summary_lines(run, state.run_dir, state.opts.tiers, not_collected=state.not_collected):
+    selection = (config.option.markexpr, config.option.keyword)
+    for line in summary_lines(run, state.run_dir, state.opts.tiers, not_collected=state.not_collected,
+                              deselected_by=(selection, state.deselected_by_selection)):
         terminalreporter.write_line(line)
     for extra in config.hook.pytest_rlk_summary(config=config, run=run):
         for line in extra or ():

@@ -28,6 +28,7 @@ class RlkState:
     deselected: dict[str, int] = field(default_factory=dict)
     gated_cases: dict[tuple[str | None, str], str] = field(default_factory=dict)  # -> nodeid
     not_collected: dict[str, str] = field(default_factory=dict)  # tier -> its suites/<tier> dir
+    deselected_by_selection: int = 0  # tests of the selected tiers that -m / -k deselected
     current_test: str | None = None  # the test being set up or run (named by progress lines)
     gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
     signals: StopSignals = field(default_factory=StopSignals)

@@ -147,16 +147,24 @@ def missing_baseline_lines(run: RunRecord, results: Iterable[GateResult]) -> lis
 
 
 def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
-                  not_collected: Mapping[str, str] | None = None) -> list[str]:
+                  not_collected: Mapping[str, str] | None = None,
+                  deselected_by: tuple[tuple[str, str], int] | None = None) -> list[str]:
     """The ``rlk`` terminal section: tiers, hardware skips, gate verdicts, fallbacks, artifacts.
 
-    ``not_collected``: tier -> its directory, skipped at collection (tier not selected)."""
+    ``not_collected``: tier -> its directory, skipped at collection (tier not selected);
+    ``deselected_by``: ((the -m expression, the -k expression), how many of the selected tiers'
+    tests they deselected)."""
     per_tier = Counter(t.tier or "untiered" for t in run.tests)
     ran = ", ".join(f"{tier} ({count(per_tier.get(tier, 0), 'test')})" for tier in tiers)
     lines = [f"tiers run: {ran}" + (f"; untiered: {per_tier['untiered']}" if per_tier.get("untiered") else "")]
     if any(run.deselected.values()):
         lines.append("deselected (tier not selected): " + ", ".join(
             f"{tier} {n}" for tier, n in sorted(run.deselected.items()) if n))
+    if deselected_by is not None and deselected_by[1]:
+        (markexpr, keyword), n = deselected_by
+        given = " and ".join(f"{flag} {shlex.quote(expr)}" for flag, expr in (("-m", markexpr), ("-k", keyword)) if expr)
+        hint = "; tox -e tests runs the slow ones" if "not slow" in (markexpr or "") else ""
+        lines.append(f"deselected by {given or 'the selection'}: {count(n, 'test')}{hint}")
     if not_collected:
         lines.append("not collected (tier not selected): " + ", ".join(
             f"{tier} ({path}/)" for tier, path in sorted(not_collected.items())))

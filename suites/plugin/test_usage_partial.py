@@ -101,3 +101,11 @@ def test_rlk_help_lists_every_command_and_report_names_the_html(capsys):
         assert f"    {name} " in text, name
     assert "commands: " + ", ".join(commands) in " ".join(text.split())
     assert "report.html" in " ".join(text.split())
+
+
+def test_the_summary_counts_what_m_deselected(rlk_pytester):
+    rlk_pytester.makepyfile(**{"suites/op/test_m": "import pytest\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n\n"
+                                                   "def test_quick():\n    pass\n"})
+    result = rlk_pytester.runpytest("-m", "not slow")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["deselected by -m 'not slow': 1 test; tox -e tests runs the slow ones"])
