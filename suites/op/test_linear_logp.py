@@ -153,7 +153,9 @@ def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype)
 
 
-@pytest.mark.parametrize("kept", ["some", "all", "in_weight_grad"])
+# the quick start keeps one kept-logits case per path ("some"); tox -e tests runs them all
+@pytest.mark.parametrize("kept", ["some", pytest.param("all", marks=pytest.mark.slow),
+                                  pytest.param("in_weight_grad", marks=pytest.mark.slow)])
 # the TMA paths through the interpreter are slow: the quick start keeps the default path's cases
 @pytest.mark.parametrize("path", ["default", pytest.param("tma", marks=pytest.mark.slow),
                                   pytest.param("tma_store", marks=pytest.mark.slow)])
