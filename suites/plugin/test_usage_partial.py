@@ -109,3 +109,29 @@ def test_the_summary_counts_what_m_deselected(rlk_pytester):
     result = rlk_pytester.runpytest("-m", "not slow")
     result.assert_outcomes(passed=1, deselected=1)
     result.stdout.fnmatch_lines(["deselected by -m 'not slow': 1 test; tox -e tests runs the slow ones"])
+
+
+def test_a_signal_while_the_run_finishes_is_noted_not_raised():
+    """tox stops a run with SIGINT, then SIGTERM 0.3 s later: the second lands while the run
+    writes run.json, and must not cut that write."""
+    import os
+    import signal
+
+    from pytest_rlk.signals import StopSignals
+
+    outer = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # this session's own StopSignals, aside
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stops = StopSignals()
+    try:
+        assert stops.install()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM received"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        stops.finishing()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stops.received == ["SIGTERM", "SIGTERM", "SIGINT"]
+    finally:
+        stops.restore()
+        restored = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGTERM, outer)
+    assert restored == before
