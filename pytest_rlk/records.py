@@ -6,8 +6,8 @@ from pytest_rlk import platform as rlk_platform
 from pytest_rlk import sharding, storage
 from pytest_rlk.failures import report_failure
 from pytest_rlk.recorder import case_from_nodeid
-from pytest_rlk.state import BACKEND_SEEN, GATE, GATE_ERROR, RECORDER, STATE, TIER, UNSERVED, RlkState
 from pytest_rlk.schema import TestRecord
+from pytest_rlk.state import BACKEND_SEEN, GATE, GATE_ERROR, RECORDER, STATE, TIER, UNSERVED, RlkState
 
 
 def build_test_record(item, outcome: str, *, duration: float = 0.0, skip_reason: str | None = None,
