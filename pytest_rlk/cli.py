@@ -1,11 +1,12 @@
 """The ``rlk`` command line: ``rlk diff``, ``rlk report``, ``rlk merge``, ``rlk env`` (+ extension commands:
-``rlk e2e ...``, ``rlk nightly``, ``rlk verdict``, ``rlk same``).
+``rlk e2e ...``, ``rlk nightly``, ``rlk verdict``, ``rlk same``, ``rlk drift``; ``rlk --help`` lists them all).
 
 ``rlk diff RUN --a-tag backend=X --b-tag backend=Y`` compares two tag selections of one run
 (``pytest_rlk.tag_diff``).
 
 Exit codes: 0 clean, 1 a regression (or an improvement under --fail-on-improvement, or a
-missing baseline under --require-baselines), 2 usage error or an unreadable/corrupt file.
+missing baseline under --require-baselines), 2 usage error, an unreadable/corrupt file, or a diff
+of a partial run (stopped before its end) without --allow-partial.
 
 Other parts add subcommands through ``add_subcommands(subparsers)`` in ``pytest_rlk.e2e.cli``,
 ``pytest_rlk.bench_cli`` and ``pytest_rlk.drift.cli`` (``rlk drift``); each subparser sets ``func=handler`` with ``handler(args) -> int``.
@@ -24,8 +25,8 @@ from pytest_rlk.history import band_source_lines, shadow_lines
 from pytest_rlk.options import OptionError, parse_refresh_rel
 from pytest_rlk.schema import GateResult, RunRecord
 from pytest_rlk.session import merge_run
-from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines
-from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text
+from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines, one_run_only_lines
+from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text, unsupported_lines
 
 EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli",
                      "pytest_rlk.baselines_cli", "pytest_rlk.prove.cli")
@@ -50,16 +51,18 @@ def diff_against_baselines(run: RunRecord, baselines: Path, *, refresh_rel: floa
     return results
 
 
-def diff_runs(a: RunRecord, b: RunRecord, *, refresh_rel: float | None) -> list[GateResult]:
-    """A/B per case: A is the reference. A case missing from one side shows all its metrics."""
-    a_cases = {t.case: t for t in a.tests if t.metrics}
-    b_cases = {t.case: t for t in b.tests if t.metrics}
+def diff_runs(a: RunRecord, b: RunRecord, *, refresh_rel: float | None
+              ) -> tuple[list[GateResult], list[str], list[str]]:
+    """A/B per case (A is the reference) of the cases both runs gate; and the gated cases of A
+    only and of B only, not compared (the runs selected different tests)."""
+    a_cases = {t.case: t for t in a.tests if any(m.gate for m in t.metrics)}
+    b_cases = {t.case: t for t in b.tests if any(m.gate for m in t.metrics)}
     results = []
-    for case in sorted(a_cases.keys() | b_cases.keys()):
-        a_metrics = [m for m in a_cases[case].metrics if m.gate] if case in a_cases else []
-        b_metrics = [m for m in b_cases[case].metrics if m.gate] if case in b_cases else []
+    for case in sorted(a_cases.keys() & b_cases.keys()):
+        a_metrics = [m for m in a_cases[case].metrics if m.gate]
+        b_metrics = [m for m in b_cases[case].metrics if m.gate]
         results.append(compare_records(a_metrics, b_metrics, case=case, refresh_rel=refresh_rel))
-    return results
+    return results, sorted(a_cases.keys() - b_cases.keys()), sorted(b_cases.keys() - a_cases.keys())
 
 
 def _exit_code(results: list[GateResult], *, fail_on_improvement: bool, require_baselines: bool) -> int:
@@ -75,9 +78,23 @@ def _verdict_counts(results: list[GateResult]) -> str:
     return ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) or "nothing to compare"
 
 
+def _check_complete(path: Path, run: RunRecord, allow_partial: bool) -> None:
+    """A diff of a partial run passes over the tests it never recorded: an error, unless asked for."""
+    if run.partial and not allow_partial:
+        raise PartialRunError(f"{path}: {run.describe_status()}; a diff of it says nothing of the tests it "
+                              "did not record: rerun it, or pass --allow-partial to compare what it holds"
+                              + (" (rlk merge finalizes a run that is not running any more)"
+                                 if run.status == "running" else ""))
+
+
+class PartialRunError(OptionError):
+    """``rlk diff`` of a run stopped before its end, without ``--allow-partial``."""
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     refresh_rel = parse_refresh_rel(args.refresh_rel)
     new_path, new = _load_run(args.runs[0], args.artifacts)
+    _check_complete(new_path, new, args.allow_partial)
     notes: list[str] = []
     if args.a_tag or args.b_tag:
         if len(args.runs) != 1:
@@ -86,18 +103,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
         b = parse_selectors(args.b_tag or [], "--b-tag")
         results = diff_tag_selections(new, a, b, refresh_rel=refresh_rel)
         headers = ("metric", f"A:{selector_text(a)}", f"B:{selector_text(b)}", *DIFF_HEADERS[3:])
+        notes = unsupported_lines(results)
         print(f"run {new_path} ({new.describe_status()}): A = {selector_text(a)}, B = {selector_text(b)}; "
               "paired by metric and the other tags (A is the reference)")
     elif len(args.runs) == 2:
         b_path, b = _load_run(args.runs[1], args.artifacts)
-        results = diff_runs(new, b, refresh_rel=refresh_rel)
+        _check_complete(b_path, b, args.allow_partial)
+        results, only_a, only_b = diff_runs(new, b, refresh_rel=refresh_rel)
         headers = ("metric", "A", "B", *DIFF_HEADERS[3:])
+        notes = one_run_only_lines(only_a, only_b)
         print(f"A/B: A = {new_path} ({new.describe_status()}), B = {b_path} ({b.describe_status()})")
     else:
         results = diff_against_baselines(new, args.baselines, refresh_rel=refresh_rel)
         headers = DIFF_HEADERS
         notes = missing_baseline_lines(new, results)
-        print(f"run {new_path} ({new.describe_status()}) vs baselines {args.baselines} "
+        print(f"run {new_path} ({new.describe_status()}) vs the baselines in {args.baselines}/ "
               f"(platform {new.manifest.platform.tag})")
     print(diff_table(results, headers=headers, wide=args.wide))
     print(_verdict_counts(results))
@@ -187,7 +207,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlk", description="pytest-rlk runs: diff, report, merge")
+    parser = argparse.ArgumentParser(prog="rlk")
     parser.add_argument("--artifacts", type=Path, default=None,
                         help="where 'latest' and run ids are looked up (default: .rlk/runs here or in "
                              "the nearest parent directory that has one)")
@@ -205,12 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --b-tag: compare two tag selections of ONE run (e.g. backend=rlk-triton "
                            "vs backend=rl_engine), paired by metric and the other tags; repeatable")
     diff.add_argument("--b-tag", action="append", metavar="KEY=VALUE", help="the B side (see --a-tag)")
+    diff.add_argument("--allow-partial", action="store_true",
+                      help="compare a run stopped before its end (interrupted, crashed, running) too; "
+                           "without it such a run exits 2")
     diff.add_argument("--wide", action="store_true",
                       help="one line per metric as case/metric with the verdicts spelt out (for grep; "
                            "default: metrics grouped under their case, about 100 columns)")
     diff.set_defaults(func=cmd_diff)
 
-    report = sub.add_parser("report", help="write report.md and PNG plots for a run")
+    report = sub.add_parser("report", help="write a run's report: report.md and report.html (one self-contained "
+                                           "page, charts inlined)")
     report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
@@ -244,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
             print(f"rlk: warning: {name} has no add_subcommands(subparsers)", file=sys.stderr)
             continue
         add(sub)
+    parser.description = f"pytest-rlk runs and the tools around them; commands: {', '.join(sub.choices)}"
     return parser
 
 

@@ -1,13 +1,15 @@
 """Marker registry and the question "can this machine serve this test?" (plain functions)."""
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
 from pytest_rlk.schema import PlatformInfo
 
-TIERS: tuple[str, ...] = ("op", "module", "e2e")
+TIERS: tuple[str, ...] = ("op", "module", "e2e", "plugin")
 PLATFORM_TAGS: tuple[str, ...] = ("h100", "h200", "a100", "gb200")
 PLATFORM_NAMES = {"h100": "H100", "h200": "H200", "a100": "A100", "gb200": "GB200"}
 
@@ -22,6 +24,7 @@ MARKERS: dict[str, str] = {
     "op": "tier: operator parity, invariance, bad input and benchmarks",
     "module": "tier: training step, vocab-parallel and vLLM drift checks",
     "e2e": "tier: end-to-end A/B runs",
+    "plugin": "tier: the plugin's own tests (suites/plugin: plain-module and pytester tests)",
     "bench": "benchmark (timing) test",
     "slow": "slow test",
     "vime": "needs a vime checkout (--rlk-vime-root)",
@@ -48,6 +51,57 @@ MARKERS: dict[str, str] = {
 def marker_lines() -> list[str]:
     """Lines for ``config.addinivalue_line("markers", ...)``."""
     return [f"{name}: {text}" for name, text in MARKERS.items()]
+
+
+# pytest's ``-m`` grammar: names joined by and/or/not and parentheses; ``name(key=value, ...)``
+# matches keyword arguments of a mark (quoted strings, numbers, True/False/None as values)
+_EXPR_TOKEN = re.compile(r"""\s*(?:(?P<string>'[^']*'|"[^"]*")|(?P<punct>[()=,])|(?P<word>[\w:+\-.\[\]\\/]+))""")
+_EXPR_KEYWORDS = frozenset({"and", "or", "not"})
+
+
+def marker_expression_names(expression: str) -> list[str]:
+    """The marker names a ``-m`` expression asks for, in order (keyword arguments aside).
+    Stops at a character outside the grammar: pytest reports that syntax error itself."""
+    names: list[str] = []
+    pos, depth_in_args = 0, 0
+    previous_was_name = False
+    while pos < len(expression):
+        match = _EXPR_TOKEN.match(expression, pos)
+        if match is None or match.end() == pos:
+            break
+        pos = match.end()
+        punct, word = match.group("punct"), match.group("word")
+        if depth_in_args:  # inside name(...): keyword arguments, not marker names
+            depth_in_args += {"(": 1, ")": -1}.get(punct, 0)
+            previous_was_name = False
+            continue
+        if punct == "(" and previous_was_name:
+            depth_in_args = 1
+        elif word is not None and word not in _EXPR_KEYWORDS:
+            names.append(word)
+            previous_was_name = True
+            continue
+        previous_was_name = False
+    return list(dict.fromkeys(names))
+
+
+def registered_names(ini_marker_lines: Iterable[str]) -> set[str]:
+    """``"gpus(n): needs ..."`` -> ``gpus``: the names of pytest's ``markers`` ini lines."""
+    return {line.split(":", 1)[0].split("(", 1)[0].strip() for line in ini_marker_lines}
+
+
+def unknown_marker_error(expression: str, registered: Iterable[str]) -> str | None:
+    """A usage error for a ``-m`` expression that names an unregistered marker (it would select
+    nothing, silently), naming the bad marker, the nearest registered ones and all of them."""
+    known = sorted(set(registered))
+    unknown = [name for name in marker_expression_names(expression) if name not in known]
+    if not unknown:
+        return None
+    near = [n for name in unknown for n in difflib.get_close_matches(name, known, n=3)]
+    hint = f" (nearest: {', '.join(dict.fromkeys(near))})" if near else ""
+    plural = "s" if len(unknown) > 1 else ""
+    return (f"-m {expression!r}: unknown marker{plural} {', '.join(repr(n) for n in unknown)}{hint}; "
+            f"registered markers: {', '.join(known)}")
 
 
 GPU_MARKS = ("gpu", "gpus", "gpu_mem")

@@ -97,6 +97,9 @@ class Verdict(str, Enum):
     # change of what gates, e.g. wall time -> CUDA-graph time): not a failure, and
     # --rlk-update-baselines=failed drops it from the baseline
     UNGATED = "ungated"
+    # a tag diff (two backends of one run): the side's backend declares the case unsupported
+    # (its test skipped with that backend's capability reason): named, never a failure
+    UNSUPPORTED = "unsupported"
 
     @property
     def label(self) -> str:

@@ -12,6 +12,7 @@ hides the last run with results from ``rlk diff latest``.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -109,6 +110,16 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     return run
 
 
+def discard_run_without_results(run_dir: Path) -> bool:
+    """Remove a run directory no test result reached (a usage error found while collecting);
+    True when removed. A run with any result, or files the tests wrote, is kept."""
+    parts = [storage.load_part(p) for p in sorted((run_dir / PARTS).glob("*.json"))]
+    if any(part.tests or part.files for part in parts) or (run_dir / TESTS).exists() or (run_dir / FILES).exists():
+        return False
+    shutil.rmtree(run_dir)
+    return True
+
+
 def _controller_alive(header: RunRecord) -> bool:
     if header.pid is None or header.host != socket.gethostname():
         return False
@@ -119,3 +130,20 @@ def _controller_alive(header: RunRecord) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
+
+
+class RunFiles:
+    """Files of the whole run (not of one test): ``DIR/<run_id>/files/<name>``, each named with
+    its description in the rlk summary and the report (e.g. a table several tests fill)."""
+
+    def __init__(self, state) -> None:  # the plugin's RlkState: its run_dir and writer
+        self._state = state
+
+    def path(self, name: str, description: str) -> Path:
+        if self._state.run_dir is None:
+            raise RuntimeError("rlk_files.path: this run writes no artifacts")
+        path = self._state.run_dir / FILES / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._state.writer is not None:
+            self._state.writer.add_file(description, path)
+        return path

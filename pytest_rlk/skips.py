@@ -43,17 +43,33 @@ def skip_cause(test: TestRecord) -> str:
     return OTHER
 
 
+_ARTICLE = re.compile(r"^(?:a|an|the)\s+", re.IGNORECASE)
+
+
+def reason_key(reason: str) -> str:
+    """What two wordings of one reason share: case, a leading article, runs of spaces and a
+    closing full stop aside (``a device mismatch needs a CUDA device.`` and ``Device mismatch
+    needs a CUDA device`` are one reason)."""
+    text = " ".join(reason.split()).rstrip(".").strip()
+    return _ARTICLE.sub("", text).casefold()
+
+
 def skips_by_cause(tests: Iterable[TestRecord]) -> dict[str, Counter[str]]:
-    """cause -> Counter of reasons, causes in :data:`CAUSES` order, only those that occurred."""
-    found: dict[str, Counter[str]] = {}
+    """cause -> Counter of reasons, causes in :data:`CAUSES` order, only those that occurred.
+    Wordings of one reason (:func:`reason_key`) count together, under the commonest wording (the
+    first seen among equals)."""
+    found: dict[str, dict[str, Counter[str]]] = {}  # cause -> key -> wordings
     for t in tests:
         if t.outcome == "skipped":
-            found.setdefault(skip_cause(t), Counter())[t.skip_reason or "(no reason given)"] += 1
-    return {cause: found[cause] for cause in CAUSES if cause in found}
+            reason = t.skip_reason or "(no reason given)"
+            found.setdefault(skip_cause(t), {}).setdefault(reason_key(reason), Counter())[reason] += 1
+    return {cause: Counter({wordings.most_common(1)[0][0]: sum(wordings.values())
+                            for wordings in found[cause].values()})
+            for cause in CAUSES if cause in found}
 
 
-def skip_lines(tests: Iterable[TestRecord], *, reasons_per_cause: int = 5) -> list[str]:
-    """``skipped: N (cause n, ...)`` then the commonest reasons of each cause, with counts."""
+def skip_lines(tests: Iterable[TestRecord]) -> list[str]:
+    """``skipped: N (cause n, ...)`` then every reason of each cause, commonest first, with counts."""
     causes = skips_by_cause(tests)
     if not causes:
         return []
@@ -61,10 +77,5 @@ def skip_lines(tests: Iterable[TestRecord], *, reasons_per_cause: int = 5) -> li
     lines = [f"skipped: {total} (" + ", ".join(f"{cause} {sum(c.values())}" for cause, c in causes.items()) + ")"]
     for cause, reasons in causes.items():
         common = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
-        lines += [f"  {cause}: {n} x {reason}" for reason, n in common[:reasons_per_cause]]
-        if len(common) > reasons_per_cause:
-            rest = common[reasons_per_cause:]
-            plural = "s" if len(rest) > 1 else ""
-            lines.append(f"  {cause}: {sum(n for _, n in rest)} more under {len(rest)} other reason{plural} "
-                         "(pytest -rs lists them)")
+        lines += [f"  {cause}: {n} x {reason}" for reason, n in common]
     return lines

@@ -18,6 +18,11 @@ SLOWEST_AFTER_S = 60.0  # sessions longer than this list their slowest tests (CI
 SLOWEST_COUNT = 5
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``count(1, "test")`` -> ``1 test``; ``count(2, "test")`` -> ``2 tests``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.6g}"
 
@@ -47,7 +52,11 @@ def diff_table(results: Iterable[GateResult], *, headers: Sequence[str] = DIFF_H
     """``wide``: one line per metric, ``case/metric`` (for grep). Otherwise one line per case
     and its metrics indented under it (about 100 columns); a case without its baseline file is
     one line naming its metrics; notes explain the short verdicts and name the band sources."""
-    results = list(results)
+    # unsupported metrics are named once per backend under the table (tag_diff.unsupported_lines);
+    # a case with nothing to compare (no gated metric on either side) has no line
+    results = [r.model_copy(update={"comparisons": [c for c in r.comparisons if c.verdict is not Verdict.UNSUPPORTED]})
+               for r in results]
+    results = [r for r in results if r.comparisons]
     if wide:
         rows = [comparison_row(c, f"{r.case}/") for r in results for c in r.comparisons]
         return "\n".join([format_table(headers, rows)] + _notes(results, short=False))
@@ -79,6 +88,21 @@ def format_grouped(headers: Sequence[str], rows: Sequence[list[str] | str]) -> s
         else:
             out.append(line(row))
     return "\n".join(out)
+
+
+def one_run_only_lines(only_a: Sequence[str], only_b: Sequence[str]) -> list[str]:
+    """The cases of an A/B diff that one run holds and the other does not, under one heading with
+    counts (not compared: the runs selected different tests)."""
+    if not only_a and not only_b:
+        return []
+    lines = [f"cases in one run only (not compared): {len(only_a) + len(only_b)} "
+             f"({len(only_a)} in A only, {len(only_b)} in B only)"]
+    for side, cases in (("A", only_a), ("B", only_b)):
+        if cases:
+            lines += textwrap.wrap(f"{side} only ({len(cases)}): " + ", ".join(cases), GROUPED_WIDTH,
+                                   initial_indent="  ", subsequent_indent="      ",
+                                   break_long_words=False, break_on_hyphens=False)
+    return lines
 
 
 def _notes(results: Sequence[GateResult], *, short: bool) -> list[str]:
@@ -124,16 +148,24 @@ def missing_baseline_lines(run: RunRecord, results: Iterable[GateResult]) -> lis
 
 
 def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
-                  not_collected: Mapping[str, str] | None = None) -> list[str]:
+                  not_collected: Mapping[str, str] | None = None,
+                  deselected_by: tuple[tuple[str, str], int] | None = None) -> list[str]:
     """The ``rlk`` terminal section: tiers, hardware skips, gate verdicts, fallbacks, artifacts.
 
-    ``not_collected``: tier -> its directory, skipped at collection (tier not selected)."""
+    ``not_collected``: tier -> its directory, skipped at collection (tier not selected);
+    ``deselected_by``: ((the -m expression, the -k expression), how many of the selected tiers'
+    tests they deselected)."""
     per_tier = Counter(t.tier or "untiered" for t in run.tests)
-    ran = ", ".join(f"{tier} ({per_tier.get(tier, 0)} tests)" for tier in tiers)
+    ran = ", ".join(f"{tier} ({count(per_tier.get(tier, 0), 'test')})" for tier in tiers)
     lines = [f"tiers run: {ran}" + (f"; untiered: {per_tier['untiered']}" if per_tier.get("untiered") else "")]
     if any(run.deselected.values()):
         lines.append("deselected (tier not selected): " + ", ".join(
             f"{tier} {n}" for tier, n in sorted(run.deselected.items()) if n))
+    if deselected_by is not None and deselected_by[1]:
+        (markexpr, keyword), n = deselected_by
+        given = " and ".join(f"{flag} {shlex.quote(expr)}" for flag, expr in (("-m", markexpr), ("-k", keyword)) if expr)
+        hint = "; tox -e tests runs the slow ones" if "not slow" in (markexpr or "") else ""
+        lines.append(f"deselected by {given or 'the selection'}: {count(n, 'test')}{hint}")
     if not_collected:
         lines.append("not collected (tier not selected): " + ", ".join(
             f"{tier} ({path}/)" for tier, path in sorted(not_collected.items())))
@@ -172,12 +204,22 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
         lines.append("kernel fallbacks: " + ", ".join(f"{op}={n}" for op, n in sorted(run.fallback_counts.items())))
     lines += [f"file: {description}: {_shown(Path(path))}" for description, path in sorted(run.files.items())]
     lines += slowest_lines(run)
-    lines.append(f"run status: {run.status}; artifacts: {run_dir}")
+    lines.append(f"run status: {run.describe_status()}; artifacts: {run_dir}")
     if not run.tests:  # session.py: `latest` moves at a run's first result
         lines.append("latest: not moved (this run recorded no test)")
         return lines
+    if run.partial:
+        lines += partial_run_lines(run_dir)
+        return lines
     lines.append(f"report: rlk report {run_dir}   diff: rlk diff {run_dir}")
     return lines
+
+
+def partial_run_lines(run_dir: Path) -> list[str]:
+    """What to do with a run stopped before its end (the same lines start a stopped run's summary
+    and the session's header, which a run killed before its summary still printed)."""
+    return [f"merge: rlk merge {run_dir}   (finalizes run.json from the parts its processes wrote)",
+            f"report: rlk report {run_dir}   diff: rlk diff {run_dir} --allow-partial"]
 
 
 def exercised_backends(run: RunRecord) -> Counter[str]:
@@ -190,7 +232,7 @@ def backend_lines(run: RunRecord) -> list[str]:
     if not used:
         return []
     return ["kernel backends exercised: " + ", ".join(
-        f"{b} ({n} test{'s' if n > 1 else ''})" for b, n in used.most_common())]
+        f"{b} ({count(n, 'test')})" for b, n in used.most_common())]
 
 
 def run_elapsed_s(run: RunRecord) -> float | None:

@@ -124,6 +124,8 @@ def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
         build.compile_fatbin(one_read.SOURCE)
 
 
+# slow: the quick start (tox -e suite, -m "not slow") leaves it out; tox -e tests runs it
+@pytest.mark.slow
 @pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed on this machine (CUDA toolkit)")
 @pytest.mark.parametrize("defines", [(), ("RLK_BULK_LOAD=0",)], ids=["default", "per-thread-cp-async"])
 def test_the_cuda_source_compiles(tmp_path, monkeypatch, defines):

@@ -540,6 +540,8 @@ def _cpu_grpo_call(**kw):
                         config=LossConfig(kl_loss_coef=0.01), **kw)
 
 
+# slow: the quick start (tox -e suite, -m "not slow") leaves it out; tox -e tests runs it
+@pytest.mark.slow
 def test_grpo_host_module_declines_what_is_not_the_common_case():
     module = _grpo_module_or_skip()
     call = _cpu_grpo_call()

@@ -156,8 +156,12 @@ def test_tma_kernel_through_the_interpreter(monkeypatch, dtype, group_t):
     assert_linear_logp_close(logp, grads, ref_logp, ref_grads, dtype)
 
 
-@pytest.mark.parametrize("kept", ["some", "all", "in_weight_grad"])
-@pytest.mark.parametrize("path", ["default", "tma", "tma_store"])
+# the quick start keeps one kept-logits case per path ("some"); tox -e tests runs them all
+@pytest.mark.parametrize("kept", ["some", pytest.param("all", marks=pytest.mark.slow),
+                                  pytest.param("in_weight_grad", marks=pytest.mark.slow)])
+# the TMA paths through the interpreter are slow: the quick start keeps the default path's cases
+@pytest.mark.parametrize("path", ["default", pytest.param("tma", marks=pytest.mark.slow),
+                                  pytest.param("tma_store", marks=pytest.mark.slow)])
 def test_kept_logits_match_recompute(monkeypatch, path, kept):
     """The forward keeps the logits (exp(z - tile max)) of the columns the budget allows, or all of
     them in the weight gradient's buffer; the backward turns them into dlogits instead of recomputing
@@ -430,6 +434,8 @@ def _ptxas_missing() -> str | None:
     return None
 
 
+# slow: the quick start (tox -e suite, -m "not slow") leaves it out; tox -e tests runs it
+@pytest.mark.slow
 @pytest.mark.skipif(_ptxas_missing() is not None, reason=str(_ptxas_missing()))
 def test_triton_kernels_compile_for_sm_90a():
     """Every Triton kernel of the op in its GPU configs (TMA descriptors, 128x256 tiles) compiles for

@@ -173,3 +173,38 @@ def test_diff_table_fits_120_columns_and_says_how_to_record_missing_baselines(rl
     assert max(len(line) for line in lines) <= 120, done.stdout  # a case name is never split
     notes = lines[lines.index(next(line for line in lines if line.startswith("band source:"))):]
     assert len(notes) > 2 and max(len(line) for line in notes) <= 100, done.stdout  # notes wrap
+
+
+MANY_CASES = """
+import os
+import pytest
+
+@pytest.mark.parametrize("i", [int(i) for i in os.environ["RLK_CASES"].split(",")])
+def test_case(rlk_metrics, i):
+    rlk_metrics.record("loss", 1.0, direction="lower_is_better", space="loss")
+
+def test_ungated(rlk_metrics):
+    rlk_metrics.record("note", 1.0, direction="two_sided", gate=False)
+"""
+
+
+def test_ab_diff_of_runs_with_different_tests_lists_the_one_run_cases_under_one_heading(rlk_pytester, capsys,
+                                                                                         monkeypatch):
+    rlk_pytester.makepyfile(**{"suites/op/test_many": MANY_CASES})
+    monkeypatch.setenv("RLK_CASES", "0,1,2,3,4")
+    rlk_pytester.runpytest().assert_outcomes(passed=6)
+    a = str(latest_run_dir(rlk_pytester))
+    monkeypatch.setenv("RLK_CASES", "0,5")
+    rlk_pytester.runpytest().assert_outcomes(passed=3)
+    b = str(latest_run_dir(rlk_pytester))
+    capsys.readouterr()
+    assert cli.main(["diff", a, b]) == 0  # what both ran passes; the rest is listed, not failed
+    lines = capsys.readouterr().out.splitlines()
+    heading = lines.index("cases in one run only (not compared): 5 (4 in A only, 1 in B only)")
+    assert lines[heading + 1:heading + 4] == [
+        "  A only (4): test_many.test_case-1, test_many.test_case-2, test_many.test_case-3,",
+        "      test_many.test_case-4",
+        "  B only (1): test_many.test_case-5"]
+    table = lines[:heading]  # the ungated case (nothing to compare) has no line
+    assert [line for line in table if line.startswith("test_many.")] == ["test_many.test_case-0"]
+    assert "1 pass" in lines

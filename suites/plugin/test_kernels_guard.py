@@ -42,3 +42,5 @@ def test_plugin_refuses_a_foreign_kernels_imported_by_tests(rlk_pytester, fresh_
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*the 'kernels' package imported from *kernels/__init__.py is not "
                                  "pytest-rlk's kernels*pip uninstall kernels*"])
+    runs = rlk_pytester.path / ".rlk" / "runs"  # found while collecting: the run started is removed
+    assert not runs.exists() or [p.name for p in runs.iterdir()] == []

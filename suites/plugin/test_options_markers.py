@@ -21,7 +21,7 @@ H100 = PlatformInfo(tag="h100", detected_tag="h100", device_name="NVIDIA H100 80
 
 def test_parse_tiers():
     assert options.parse_tiers("op, module,op") == ["op", "module"]
-    with pytest.raises(options.OptionError, match=r"unknown tier 'gpu'; valid tiers: op, module, e2e"):
+    with pytest.raises(options.OptionError, match=r"unknown tier 'gpu'; valid tiers: op, module, e2e, plugin"):
         options.parse_tiers("op,gpu")
 
 
@@ -51,7 +51,8 @@ def test_every_marker_is_registered_with_help():
 def test_tier_from_directory_or_marker():
     assert tier_of(PurePath("suites/op/test_x.py"), []) == "op"
     assert tier_of(PurePath("suites/module/sub/test_x.py"), []) == "module"
-    assert tier_of(PurePath("suites/plugin/test_x.py"), []) is None
+    assert tier_of(PurePath("suites/plugin/test_x.py"), []) == "plugin"
+    assert tier_of(PurePath("elsewhere/test_x.py"), []) is None
     assert tier_of(PurePath("suites/plugin/test_x.py"), ["e2e"]) == "e2e"
 
 

@@ -173,7 +173,9 @@ def test_latest_skips_runs_without_results_and_names_partial_ones(rlk_pytester, 
     assert rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == pytest.ExitCode.INTERRUPTED
     assert latest_run_dir(rlk_pytester).resolve() != with_results  # it has results: it is latest
     capsys.readouterr()
-    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 0
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines"]) == 2  # partial
+    assert "pass --allow-partial" in capsys.readouterr().err
+    assert cli.main(["--artifacts", runs, "diff", "latest", "--baselines", "baselines", "--allow-partial"]) == 0
     header = capsys.readouterr().out.splitlines()[0]  # test_int.py ran first: 1 test before Ctrl-C
     assert "(interrupted: partial, 1 of 4 tests recorded)" in header
 

@@ -14,7 +14,8 @@ def _suite(pytester):
         "suites/op/test_o": TEST_BODY.format(name="o"),
         "suites/module/test_m": TEST_BODY.format(name="m"),
         "suites/e2e/test_e": TEST_BODY.format(name="e"),
-        "suites/plugin/test_u": TEST_BODY.format(name="u"),
+        "suites/plugin/test_p": TEST_BODY.format(name="p"),
+        "elsewhere/test_u": TEST_BODY.format(name="u"),
         "elsewhere/test_marked": "import pytest\n\n@pytest.mark.e2e\ndef test_marked():\n    pass\n",
     })
 
@@ -22,15 +23,34 @@ def _suite(pytester):
 def test_default_tier_is_op_and_untiered_always_runs(rlk_pytester):
     _suite(rlk_pytester)
     result = rlk_pytester.runpytest()
-    # suites/e2e and suites/module are not even imported; the marked test elsewhere is deselected
+    # suites/e2e, suites/module and suites/plugin are not even imported; the marked test elsewhere
+    # is deselected
     result.assert_outcomes(passed=2, deselected=1)
-    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (1 tests); untiered: 1",
+    result.stdout.fnmatch_lines(["*= rlk =*", "tiers run: op (1 test); untiered: 1",
                                  "deselected (tier not selected): e2e 1",
-                                 "not collected (tier not selected): e2e (suites/e2e/), module (suites/module/)"])
+                                 "not collected (tier not selected): e2e (suites/e2e/), module (suites/module/), "
+                                 "plugin (suites/plugin/)"])
     run = latest_run(rlk_pytester)
     assert {t.nodeid: t.tier for t in run.tests} == {
-        "suites/op/test_o.py::test_o": "op", "suites/plugin/test_u.py::test_u": None}
+        "suites/op/test_o.py::test_o": "op", "elsewhere/test_u.py::test_u": None}
     assert run.deselected == {"e2e": 1}
+
+
+@pytest.mark.parametrize("tiers", ["e2e", "op,module"])
+def test_a_tier_selection_runs_that_tier_only_not_the_plugin_tests(rlk_pytester, tiers):
+    _suite(rlk_pytester)
+    result = rlk_pytester.runpytest(f"--rlk-tier={tiers}")
+    run = latest_run(rlk_pytester)
+    assert not any(t.nodeid.startswith("suites/plugin/") for t in run.tests)
+    result.stdout.fnmatch_lines(["not collected (tier not selected): *plugin (suites/plugin/)*"])
+
+
+def test_the_plugin_tier_selects_the_plugin_tests(rlk_pytester):
+    _suite(rlk_pytester)
+    result = rlk_pytester.runpytest("--rlk-tier=plugin,op,module,e2e")
+    result.assert_outcomes(passed=6)
+    assert {t.nodeid: t.tier for t in latest_run(rlk_pytester).tests}["suites/plugin/test_p.py::test_p"] == "plugin"
+    result.stdout.fnmatch_lines(["tiers run: plugin (1 test), op (1 test), module (1 test), e2e (2 tests); untiered: 1"])
 
 
 def test_unselected_tier_directory_is_not_imported(rlk_pytester):
@@ -54,8 +74,8 @@ def test_path_given_inside_an_unselected_tier_is_collected_and_deselected(rlk_py
 def test_tier_list_selects_several(rlk_pytester):
     _suite(rlk_pytester)
     result = rlk_pytester.runpytest("--rlk-tier=module,e2e")
-    result.assert_outcomes(passed=4)  # suites/op is not collected
-    result.stdout.fnmatch_lines(["not collected (tier not selected): op (suites/op/)"])
+    result.assert_outcomes(passed=4)  # suites/op and suites/plugin are not collected
+    result.stdout.fnmatch_lines(["not collected (tier not selected): op (suites/op/), plugin (suites/plugin/)"])
     assert latest_run(rlk_pytester).manifest.tiers == ["module", "e2e"]
 
 
@@ -63,7 +83,7 @@ def test_unknown_tier_is_a_usage_error(rlk_pytester):
     _suite(rlk_pytester)
     result = rlk_pytester.runpytest("--rlk-tier=op,gpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--rlk-tier: unknown tier 'gpu'; valid tiers: op, module, e2e*"])
+    result.stderr.fnmatch_lines(["*--rlk-tier: unknown tier 'gpu'; valid tiers: op, module, e2e, plugin*"])
 
 
 HARDWARE_TESTS = """

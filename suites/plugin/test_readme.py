@@ -39,3 +39,36 @@ def test_what_tox_and_runs_write_is_ignored(path):
         pytest.skip("not a git checkout")
     done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "-q", path], check=False)
     assert done.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+def _tox_commands(env: str) -> list[str]:
+    import configparser
+
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "tox.ini")
+    return [line.strip() for line in parser[f"testenv:{env}"]["commands"].splitlines() if line.strip()]
+
+
+def test_the_test_command_runs_every_tier_and_the_plugin_tests():
+    assert _tox_commands("tests") == ["pytest --rlk-tier=plugin,op,module,e2e {posargs}"]
+
+
+def test_the_quick_start_leaves_the_slow_cases_out_and_the_readme_says_so():
+    pytest_line, report_line = _tox_commands("suite")
+    assert pytest_line == 'pytest --rlk-tier=op,module -m "not slow" {posargs}' and report_line == "rlk report latest"
+    assert 'pytest --rlk-tier=op,module -m "not slow"' in README
+
+
+def test_the_readme_tag_diff_names_backends_the_quick_start_installs():
+    """After the quick start only our backends and Liger (the `liger` extra) are there."""
+    installed = {"rlk-triton", "reference"} | ({"liger"} if "liger" in (ROOT / "tox.ini").read_text() else set())
+    values = re.findall(r"--[ab]-tag backend=([\w.-]+)", README)
+    assert values and set(values) <= installed
+
+
+def test_the_baseline_directories_the_readme_names_exist():
+    named = set(re.findall(r"`baselines/(\w+)/cpu/`", README))
+    assert named == {"module", "e2e"}
+    for tier in named:
+        assert any((ROOT / "baselines" / tier / "cpu").glob("*.json")), tier
+    assert not (ROOT / "baselines" / "op" / "cpu").exists()  # the README says the op tier stores none on CPU

@@ -6,7 +6,7 @@ import pytest
 from rlk_plugin_testing import latest_run
 
 from pytest_rlk.schema import TestRecord
-from pytest_rlk.skips import CAPABILITY, HARDWARE, MISSING_PACKAGE, OTHER, skip_cause
+from pytest_rlk.skips import CAPABILITY, HARDWARE, MISSING_PACKAGE, OTHER, skip_cause, skip_lines, skips_by_cause
 
 SKIPPING = """
 import pytest
@@ -109,3 +109,22 @@ def test_run_names_the_backends_its_tests_exercised(rlk_pytester):
         "test_kernels_on": ["standin-fast/1"], "test_kernels_on_too": ["standin-fast/1"],
         "test_kernels_off": [], "test_third_party": ["liger/0.8.5"]}
     assert run.manifest.kernel_backend_ids == ["standin-fast/1", "liger/0.8.5"]
+
+
+def _skipped(reason: str) -> TestRecord:
+    return TestRecord(nodeid=reason, case=reason, outcome="skipped", skip_reason=reason)
+
+
+def test_wordings_of_one_reason_count_as_one():
+    tests = [_skipped("a device mismatch needs a CUDA device"), _skipped("device mismatch needs a CUDA device"),
+             _skipped("A device mismatch needs a CUDA device."), _skipped("needs a GPU (this machine: cpu, 0 GPUs)")]
+    assert skips_by_cause(tests) == {HARDWARE: {"a device mismatch needs a CUDA device": 3,
+                                                "needs a GPU (this machine: cpu, 0 GPUs)": 1}}
+
+
+def test_every_reason_is_printed():
+    tests = [_skipped(f"needs {n} GPUs (found 0)") for n in range(2, 12)]
+    lines = skip_lines(tests)
+    assert lines[0] == "skipped: 10 (hardware/resources 10)"
+    assert sorted(lines[1:]) == sorted(f"  hardware/resources: 1 x needs {n} GPUs (found 0)" for n in range(2, 12))
+    assert not any("more under" in line for line in lines)

@@ -129,7 +129,53 @@ def test_op(rlk_metrics, backend, err):
 """})
     rlk_pytester.runpytest().assert_outcomes(passed=2)
     run_dir = str(latest_run_dir(rlk_pytester))
+    capsys.readouterr()
     assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=liger"]) == 0
     out = capsys.readouterr().out
     assert "1 pass" in out
     assert "band source: kernels.tolerances logp bf16: atol 0.0001" in out
+
+
+UNSUPPORTING = """
+import pytest
+
+# liger declares the fwdbwd cases unsupported (forward-only), as suites/op/test_backends.py skips them
+@pytest.mark.parametrize("backend", ["rlk-triton", "liger"])
+@pytest.mark.parametrize("case", ["T8-fwd", "T8-fwdbwd", "T64-fwdbwd"])
+def test_logp(rlk_metrics, backend, case):
+    if backend == "liger" and case.endswith("fwdbwd"):
+        pytest.skip("liger/0.8.5: Liger's fused_selective_log_softmax is forward-only (torch.no_grad)")
+    tags = {"backend": backend, "backend_version": "1", "op": "logp", "case": case}
+    names = ("logp_max_abs_err",) if backend == "liger" else ("logp_max_abs_err", "dlogits_max_abs_err")
+    for name in names:  # liger returns no gradient: its test records none and passes
+        rlk_metrics.record(name, 1e-6, direction="lower_is_better", space="error", tags=tags, gate=False)
+"""
+
+
+def test_metrics_a_backend_does_not_support_are_unsupported_named_once_and_pass(rlk_pytester, capsys):
+    rlk_pytester.makepyfile(**{"suites/op/test_unsupporting": UNSUPPORTING})
+    rlk_pytester.runpytest().assert_outcomes(passed=4, skipped=2)
+    run = latest_run(rlk_pytester)
+    results = {r.case: r for r in diff_tag_selections(run, {"backend": "rlk-triton"}, {"backend": "liger"})}
+    assert {c.verdict for c in results["case=T8-fwdbwd,op=logp"].comparisons} == {Verdict.UNSUPPORTED}
+    assert {c.name: c.verdict for c in results["case=T8-fwd,op=logp"].comparisons} == {
+        "logp_max_abs_err": Verdict.PASS, "dlogits_max_abs_err": Verdict.UNSUPPORTED}
+    run_dir = str(latest_run_dir(rlk_pytester))
+    capsys.readouterr()
+    assert cli.main(["diff", run_dir, "--a-tag", "backend=rlk-triton", "--b-tag", "backend=liger"]) == 0
+    out = capsys.readouterr().out
+    assert "fwdbwd" not in out.split("unsupported by", 1)[0]  # not in the table
+    assert out.count("forward-only") == 1
+    assert "unsupported by B (backend=liger): 5 metrics of 3 groups (not a failure); why, by groups:\n" \
+           "  2 x liger/0.8.5: Liger's fused_selective_log_softmax is forward-only (torch.no_grad)\n" \
+           "  1 x returns no dlogits_max_abs_err (its tests pass without it)" in out
+    assert "1 pass, 5 unsupported" in out
+
+
+def test_counterpart_nodeid_swaps_the_whole_parameter_part():
+    from pytest_rlk.tag_diff import counterpart_nodeid
+
+    assert counterpart_nodeid("t.py::test_logp[rlk-triton-bf16]", "rlk-triton", "liger") == "t.py::test_logp[liger-bf16]"
+    assert counterpart_nodeid("t.py::test_logp[bf16-rlk-triton]", "rlk-triton", "liger") == "t.py::test_logp[bf16-liger]"
+    assert counterpart_nodeid("t.py::test_logp[xrlk-triton]", "rlk-triton", "liger") is None
+    assert counterpart_nodeid("t.py::test_logp", "rlk-triton", "liger") is None

@@ -28,6 +28,9 @@ from suites.module.drift.conftest import ladder_device
 from suites.module.drift.perturbed_backend import FACTORY
 from suites.module.drift.perturbed_reduction import batch_variant_rmsnorm
 
+# slow (minutes on two cores): the quick start (tox -e suite, -m "not slow") leaves it out; tox -e tests runs it
+pytestmark = pytest.mark.slow
+
 SPECS = rungs.default_ladder(tp=False, rollout=False)  # the training side; TP spawns would only repeat A2
 
 

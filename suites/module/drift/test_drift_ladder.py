@@ -21,7 +21,8 @@ from pytest_rlk.drift import metrics, table
 from pytest_rlk.drift.rungs import RUNGS
 from pytest_rlk.drift.runner import write_outputs
 
-KINDS = ["dense", pytest.param("moe", marks=pytest.mark.moe)]
+# slow: the quick start (tox -e suite, -m "not slow") proves the ladder on the dense model
+KINDS = ["dense", pytest.param("moe", marks=[pytest.mark.moe, pytest.mark.slow])]
 
 
 @pytest.mark.tiny
@@ -46,6 +47,7 @@ def test_rung(kind, rung, ladders, rlk_metrics):
 
 
 @pytest.mark.tiny
+@pytest.mark.slow  # both models' ladders: the MoE one is slow
 def test_drift_table(ladders, rlk_metrics):
     results = [ladders("dense"), ladders("moe")]
     paths = write_outputs(results, rlk_metrics.artifact_dir)
