@@ -184,11 +184,35 @@ class RlkOptions:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def build_options(getoption, rootdir: Path) -> RlkOptions:
-    """Validate everything at once from a ``config.getoption``-like callable."""
+DEFAULT_TIER = "op"
+
+
+def default_tiers(args: list[str], invocation_dir: Path) -> list[str]:
+    """The tiers a run without ``--rlk-tier`` selects: those of the paths it names where every one
+    lies in ``suites/<tier>/`` (``pytest suites/plugin`` runs the plugin's tests, ``pytest
+    suites/e2e/test_trl_ab.py`` the e2e tier), else the op tier."""
+    from pytest_rlk.markers import tier_of
+
+    tiers = []
+    for arg in args:
+        path = Path(arg.split("::")[0])
+        tier = tier_of((path if path.is_absolute() else invocation_dir / path).resolve() / "_", ())
+        if tier is None:
+            return [DEFAULT_TIER]
+        tiers.append(tier)
+    return list(dict.fromkeys(tiers)) or [DEFAULT_TIER]
+
+
+def build_options(getoption, rootdir: Path, args: list[str] | None = None, *,
+                  invocation_dir: Path | None = None) -> RlkOptions:
+    """Validate everything at once from a ``config.getoption``-like callable; ``args``: the paths
+    pytest collects from (``config.args``, relative to ``invocation_dir``, where pytest was started:
+    the tiers' default when ``--rlk-tier`` is not given)."""
     update = parse_update_mode(getoption("rlk_update_baselines"))
+    tier_text = getoption("rlk_tier")
     return RlkOptions(
-        tiers=parse_tiers(getoption("rlk_tier")),
+        tiers=parse_tiers(tier_text) if tier_text is not None else default_tiers(list(args or []),
+                                                                                 invocation_dir or rootdir),
         artifacts=artifacts_dir(getoption("rlk_artifacts"), rootdir),
         baselines=baselines_dir(getoption("rlk_baselines"), rootdir, update),
         update_baselines=update,

@@ -36,7 +36,8 @@ def pytest_addhooks(pluginmanager):
 
 def pytest_addoption(parser):
     group = parser.getgroup("rlk", "pytest-rlk: RL kernel validation, metrics and baselines")
-    group.addoption("--rlk-tier", default="op", help="comma list of tiers to run: op,module,e2e,plugin (plugin: the plugin's own tests; default: op)")
+    group.addoption("--rlk-tier", default=None, help="comma list of tiers to run: op,module,e2e,plugin (plugin: the "
+                    "plugin's own tests; default: the tiers of the paths given where each lies in suites/<tier>/, else op)")
     group.addoption("--rlk-artifacts", metavar="DIR", default=None, help="run files go to DIR/<run_id>/ (default: .rlk/runs under rootdir)")
     group.addoption("--rlk-baselines", metavar="DIR", default=None, help="baseline directory (default: baselines/ under rootdir)")
     group.addoption("--rlk-update-baselines", metavar="failed|all", default=None, help="failed: rewrite failing baselines (the tests still fail); all: rewrite every baseline touched (passes)")
@@ -78,7 +79,8 @@ def pytest_configure(config):
     try:
         options.check_rootdir_not_taken(list(config.invocation_params.args), Path(config.invocation_params.dir),
                                         config.inipath)
-        opts = options.build_options(config.getoption, Path(config.rootpath))
+        opts = options.build_options(config.getoption, Path(config.rootpath), list(config.args),
+                                     invocation_dir=Path(config.invocation_params.dir))
     except options.OptionError as exc:
         raise pytest.UsageError(str(exc)) from None
     workerinput = getattr(config, "workerinput", None)

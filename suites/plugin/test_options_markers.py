@@ -228,3 +228,18 @@ def test_artifacts_and_baselines_that_cannot_work_are_option_errors(tmp_path):
     # recording into a new directory, and the default baselines/ of a fresh checkout, are fine
     assert options.build_options(_getoption(rlk_baselines=typo, rlk_update_baselines="all"), tmp_path)
     assert options.build_options(_getoption(), tmp_path).baselines == tmp_path / "baselines"
+
+
+def test_without_rlk_tier_the_paths_given_choose_the_tiers(tmp_path):
+    """``pytest suites/plugin`` runs the plugin's tests and ``pytest suites/e2e/x.py`` the e2e tier
+    without --rlk-tier; paths outside ``suites/<tier>/`` (or none) keep the op tier."""
+    from pytest_rlk.options import default_tiers
+
+    root = tmp_path
+    for tier in ("op", "e2e", "plugin"):
+        (root / "suites" / tier).mkdir(parents=True)
+    assert default_tiers(["suites/plugin"], root) == ["plugin"]
+    assert default_tiers(["suites/e2e/test_x.py::test_y", "suites/plugin"], root) == ["e2e", "plugin"]
+    assert default_tiers(["suites"], root) == ["op"]
+    assert default_tiers([], root) == ["op"]
+    assert default_tiers([str(root / "suites" / "e2e")], tmp_path / "elsewhere") == ["e2e"]

@@ -336,7 +336,8 @@ def test_every_marker_passes_strict_markers(rlk_pytester):
     from pytest_rlk.markers import MARKERS
 
     decorators = "".join(
-        f"@pytest.mark.{name.replace('(n)', '(1)').replace('(gb)', '(1)')}\n" for name in MARKERS
+        f"@pytest.mark.{name.replace('(n)', '(1)').replace('(gb)', '(1)').replace('(what)', '(\"a fault\")')}\n"
+        for name in MARKERS
     )
     rlk_pytester.makepyfile(**{"suites/op/test_all": f"import pytest\n\n{decorators}def test_all():\n    pass\n"})
     result = rlk_pytester.runpytest("--strict-markers", "--rlk-platform=cpu", "-rs")
