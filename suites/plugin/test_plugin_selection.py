@@ -335,10 +335,12 @@ def pytest_rlk_summary(config, run):
 def test_every_marker_passes_strict_markers(rlk_pytester):
     from pytest_rlk.markers import MARKERS
 
-    decorators = "".join(
-        f"@pytest.mark.{name.replace('(n)', '(1)').replace('(gb)', '(1)').replace('(what)', '(\"a fault\")')}\n"
-        for name in MARKERS
-    )
+    arguments = {"(n)": "(1)", "(gb)": "(1)", "(what)": "('a fault')"}
+    decorators = ""
+    for name in MARKERS:
+        for placeholder, value in arguments.items():
+            name = name.replace(placeholder, value)
+        decorators += f"@pytest.mark.{name}\n"
     rlk_pytester.makepyfile(**{"suites/op/test_all": f"import pytest\n\n{decorators}def test_all():\n    pass\n"})
     result = rlk_pytester.runpytest("--strict-markers", "--rlk-platform=cpu", "-rs")
     assert result.ret == pytest.ExitCode.OK
