@@ -341,6 +341,12 @@ MODELS = _declare(Setting(
     "RLK_MODELS", parse_path, None,
     "Folder of the e2e model checkpoints; A/B specs refer to it as `${RLK_MODELS}`.",
     readers=("pytest_rlk/e2e/placeholders.py",), read="when used", group="suite"))
+FAULT = _declare(Setting(
+    "RLK_FAULT", parse_text, None,
+    "The fault `pytest_rlk.prove.faults:make_backend` builds, as `NAME=SIZE` (`rlk prove` and "
+    "`tools/e2e_power.py` set it for the runs they inject into; a spawned process reads it).",
+    readers=("pytest_rlk/prove/faults.py", "pytest_rlk/prove/inject.py (sets it)"),
+    read="when used", group="suite"))
 GROUPS = ("kernels", "suite", "third party")
 
 

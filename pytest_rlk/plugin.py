@@ -174,8 +174,8 @@ def pytest_report_header(config):
     state = config.stash.get(STATE, None)
     if state is None or state.worker is not None or state.run_dir is None:
         return None
-    return [f"rlk: run {state.run_dir}; stopped before its summary (killed): rlk merge {state.run_dir}, "
-            "then rlk report"]
+    return [f"rlk: run {state.run_dir} (should this process die before its summary: "
+            f"rlk merge {state.run_dir}, then rlk report {state.run_dir})"]
 
 
 def pytest_ignore_collect(collection_path, config):

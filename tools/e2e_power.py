@@ -78,20 +78,20 @@ def main(argv: list[str] | None = None) -> int:
         raw = spec.model_dump(mode="json")
         raw["lanes"] = ns.lanes.split(",")
         spec = ABSpec.model_validate(raw)
-    faults = DEFAULT_FAULTS
+    chosen = DEFAULT_FAULTS
     if ns.fault:
-        faults = {}
+        chosen = {}
         for item in ns.fault:
             name, _, sizes = item.partition("=")
             if name not in FAULT_LANES or not sizes:
                 parser.error(f"--fault {item!r}: NAME=SIZE[,SIZE] with NAME one of {sorted(FAULT_LANES)}")
-            faults[name] = [float(x) for x in sizes.split(",")]
+            chosen[name] = [float(x) for x in sizes.split(",")]
 
     extras, rows = [], []
     for lane in spec.lanes:
         for i in range(ns.aa):
             extras.append(ExtraArm(f"aa{i + 1}", variant(spec, f"A/A rerun {i + 1}", {}), lane=lane))
-        for name, sizes in faults.items():
+        for name, sizes in chosen.items():
             if lane not in FAULT_LANES[name]:
                 continue
             for size in sizes:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"lane": lane, "arm": f"A/A rerun {i + 1} vs kernels", "kind": "A/A", "size": "",
                          "passed": verdict.passed, "failed": failed, "worst_margin": worst})
             false_alarms += not verdict.passed
-        for name, sizes in faults.items():
+        for name, sizes in chosen.items():
             if lane not in FAULT_LANES[name]:
                 continue
             for size in sizes:

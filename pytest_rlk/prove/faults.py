@@ -21,16 +21,16 @@ states and the LM head: TRL's LM head runs either), after the op.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from kernels import settings
 from kernels.backends.triton import TritonBackend
 
-FAULT_ENV = "RLK_FAULT"
+FAULT_ENV = settings.FAULT.name
 DOTTED_PATH = "pytest_rlk.prove.faults:make_backend"  # VIME_RL_KERNEL_BACKEND of another process
 
 
@@ -229,7 +229,7 @@ def parse_fault(text: str) -> tuple[str, float]:
 
 def make_backend() -> FaultyTritonBackend:
     """The dotted-path factory: the fault ``RLK_FAULT=NAME=SIZE`` names (set by whoever injects it)."""
-    text = os.environ.get(FAULT_ENV, "")
+    text = settings.FAULT.get() or ""
     if not text:
         raise ValueError(f"{FAULT_ENV} is not set: pytest_rlk.prove.faults:make_backend needs "
                          f"{FAULT_ENV}=NAME=SIZE (one of {', '.join(sorted(WRAPPERS))})")

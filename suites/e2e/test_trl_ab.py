@@ -181,7 +181,7 @@ def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk
     for plot in paths.plots:
         assert plot.stat().st_size > 1000, plot
     text = paths.markdown.read_text()
-    for needle in ("Pair verdict: PASS", "VIME_RL_KERNEL=1", "--arm baseline", "--arm kernels", "trl: `1.16",
+    for needle in ("Pair verdict: PASS", "VIME_RL_KERNEL=1", "--arm baseline", "--arm kernels", "trl 1.16",
                    "Triton interpreter", "Initial weights digest", '"seed": 1234', "repeat"):
         assert needle in text, needle
 

@@ -66,7 +66,7 @@ def test_unselected_tier_directory_is_not_imported(rlk_pytester):
 
 def test_path_given_inside_an_unselected_tier_is_collected_and_deselected(rlk_pytester):
     _suite(rlk_pytester)
-    result = rlk_pytester.runpytest("suites/e2e/test_e.py")
+    result = rlk_pytester.runpytest("--rlk-tier=op", "suites/e2e/test_e.py")
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
     result.assert_outcomes(deselected=1)
 

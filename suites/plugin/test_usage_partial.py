@@ -53,7 +53,7 @@ def test_sigterm_finalizes_the_run_as_ctrl_c_does_and_says_how_to_merge_and_repo
     assert run.status == "interrupted"
     assert [t.nodeid.split("::")[1] for t in run.tests] == ["test_a_records"]
     run_dir = latest_run_dir(rlk_pytester).resolve()
-    result.stdout.fnmatch_lines([f"rlk: run *{run_dir.name}; stopped before its summary (killed): rlk merge *",
+    result.stdout.fnmatch_lines([f"rlk: run *{run_dir.name} (should this process die before its summary: rlk merge *",
                                  "*= rlk =*",
                                  "run status: interrupted: partial, 1 of 3 tests recorded; artifacts: *",
                                  f"merge: rlk merge *{run_dir.name}*",
