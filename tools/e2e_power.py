@@ -1,24 +1,34 @@
 """The power of an A/B spec's gates, measured: A/A false alarms and injected faults caught.
 
     python tools/e2e_power.py SPEC --out DIR [--aa N] [--fault NAME=SIZE[,SIZE...]]... [--lanes replay,live]
+    python tools/e2e_power.py SPEC --regate DIR      # the table again, from the arms DIR holds
 
-One ``rlk e2e run`` of SPEC (baseline vs kernels, each lane) with extra kernel-role arms beside
-the pair: N reruns of the kernel arm unchanged (the A/A arms) and one arm per injected fault and
-size (``pytest_rlk.prove.faults``, the fault registry ``rlk prove`` uses, chosen by dotted path with
-``RLK_FAULT=NAME=SIZE`` in the arm's environment). Then, per lane:
+One ``rlk e2e run`` of SPEC (baseline vs kernels, each lane) with extra arms beside the pair:
 
-- false alarms: the pair's own verdict, and each A/A rerun gated against the kernel arm (kernels
-  vs kernels, another run): every one must pass;
-- detection: each fault arm gated against the baseline: which gated metrics fail, and the margin
-  of the most-exceeded one (observed distance from the reference over the band's width; > 1 fails).
+- N A/A reruns of the kernel arm. In the live lane rerun i draws other rollouts
+  (``seeds.rollout_seed`` + i: other prompts, other samples, the same model), so the A/A verdict
+  tests the bands against sampling noise: past its first steps a correct kernel's run is as far from
+  the baseline's as another seed's. In the replay lane the rollouts are the recorded ones, so a
+  rerun measures the run-to-run noise of training alone.
+- in the live lane, N reruns of the baseline arm with the same seeds as the kernel A/A reruns: the
+  seed-to-seed spread of the baseline's reward rise (first 4 rollouts against the last 4).
+- one kernel arm per injected fault and size (``pytest_rlk.prove.faults``, the registry ``rlk prove``
+  uses, chosen by dotted path with ``RLK_FAULT=NAME=SIZE`` in the arm's environment).
 
-Prints a Markdown table and writes ``DIR/power.json``. Exit 0 when every A/A comparison passes;
-the faults' rows are findings (the smallest size a gate catches), not pass/fail.
+Then, per lane: false alarms (the pair's own verdict, each A/A rerun gated against the kernel arm:
+every one must pass) and detection (each fault arm gated against the baseline: the gates that fail
+and the margin of the most-exceeded one: distance from the reference over the band's width, > 1
+fails). Every arm saves its series as it ends, so ``--regate DIR`` rebuilds the table of a run that
+died part-way from the arms it finished.
+
+Prints a Markdown table and writes ``DIR/power.json`` and ``DIR/power.md``. Exit 0 when every A/A
+comparison passes; the faults' rows are findings (the smallest size a gate catches), not pass/fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -27,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pytest_rlk.e2e.gates import gate_lane  # noqa: E402
-from pytest_rlk.e2e.outcome import ABRun, ABRunError, ExtraArm, gate_arms  # noqa: E402
+from pytest_rlk.e2e.outcome import ABRun, ABRunError, ExtraArm, gate_arms, load_ab_run  # noqa: E402
 from pytest_rlk.e2e.progress import LineProgress  # noqa: E402
 from pytest_rlk.e2e.runner import run_ab  # noqa: E402
 from pytest_rlk.e2e.spec import SPECS_DIR, ABSpec, load_spec  # noqa: E402
@@ -54,21 +64,121 @@ def fault_key(name: str, size: float) -> str:
 
 
 def margins(verdict) -> tuple[list[str], float]:
-    """(failed metric names, the largest |observed - ref| / band width of any compared metric)."""
+    """(failed metric names, the largest |observed - ref| / band width of a compared metric on
+    its failing side; an improvement counts 0)."""
     failed, worst = [], 0.0
     for c in verdict.gate.comparisons:
         if c.verdict is Verdict.REGRESSION:
             failed.append(c.name)
-        if c.delta is not None and c.band_width:
+        if c.delta is not None and c.band_width and c.verdict is not Verdict.IMPROVED:
             worst = max(worst, abs(c.delta) / c.band_width)
     return failed, worst
+
+
+def reward_rise(series: dict[str, list[float]], n: int = 4) -> float | None:
+    """Mean raw_reward of the last n rollouts minus that of the first n."""
+    values = series.get("raw_reward") or []
+    if len(values) < 2 * n:
+        return None
+    return sum(values[-n:]) / n - sum(values[:n]) / n
+
+
+def reseeded(spec: ABSpec, role: str, label: str, offset: int) -> ABSpec:
+    raw = spec.model_dump(mode="json")
+    raw["seeds"]["rollout_seed"] += offset
+    raw["arms"][role] = {**raw["arms"][role], "label": f"{getattr(spec.arms, role).label} ({label})"}
+    return ABSpec.model_validate(raw)
+
+
+def plan_extras(spec: ABSpec, aa: int, chosen: dict[str, list[float]]) -> list[ExtraArm]:
+    extras = []
+    for lane in spec.lanes:
+        for i in range(1, aa + 1):
+            offset = i if lane == "live" else 0
+            extras.append(ExtraArm(f"aa{i}", reseeded(spec, "kernels", f"A/A rerun {i}", offset), lane=lane))
+            if lane == "live":
+                extras.append(ExtraArm(f"seed{i}", reseeded(spec, "baseline", f"rollout seed +{i}", i),
+                                       role="baseline", lane=lane))
+        for name, sizes in chosen.items():
+            if lane not in FAULT_LANES[name]:
+                continue
+            for size in sizes:
+                env = {"VIME_RL_KERNEL_BACKEND": faults.DOTTED_PATH, faults.FAULT_ENV: f"{name}={size!r}"}
+                extras.append(ExtraArm(fault_key(name, size), variant(spec, f"fault {name} {size:g}", env), lane=lane))
+    return extras
+
+
+def power_rows(spec: ABSpec, run: ABRun, aa: int, chosen: dict[str, list[float]]) -> tuple[list[dict], list[dict]]:
+    """(gate rows, reward-rise rows) of the arms `run` holds; an arm missing from it is a row
+    saying so."""
+    rows, rises = [], []
+    for lane in spec.lanes:
+        if (lane, "baseline") not in run.arms or (lane, "kernels") not in run.arms:
+            rows.append({"lane": lane, "arm": "the pair", "kind": "A/A", "size": "", "passed": False,
+                         "failed": ["(the baseline or kernel arm did not finish)"], "worst_margin": 0.0})
+            continue
+        pair = gate_arms(run, lane)
+        failed, worst = margins(pair)
+        rows.append({"lane": lane, "arm": "kernels vs baseline (the A/B)", "kind": "A/A", "size": "",
+                     "passed": pair.passed, "failed": failed, "worst_margin": worst})
+        kern = run.arms[(lane, "kernels")]
+        for key in ["baseline", "kernels", *(f"seed{i}" for i in range(1, aa + 1)), *(f"aa{i}" for i in range(1, aa + 1))]:
+            if lane == "live" and (lane, key) in run.arms:
+                rises.append({"lane": lane, "arm": run.arms[(lane, key)].label,
+                              "rise": reward_rise(run.arms[(lane, key)].series)})
+        for i in range(1, aa + 1):
+            other = run.arms.get((lane, f"aa{i}"))
+            if other is None:
+                rows.append({"lane": lane, "arm": f"A/A rerun {i} vs kernels", "kind": "A/A", "size": "",
+                             "passed": False, "failed": ["(arm did not finish)"], "worst_margin": 0.0})
+                continue
+            verdict = gate_lane(kern.series, other.series, case=spec.case, platform=run.platform, lane=lane,
+                                skip_warmup=spec.window.skip_warmup_rollouts, gates=spec.gates,
+                                baseline_label=kern.label, kernels_label=other.label, bands=spec.bands,
+                                replay_horizon=spec.window.replay_horizon)
+            failed, worst = margins(verdict)
+            rows.append({"lane": lane, "arm": f"A/A rerun {i} vs kernels", "kind": "A/A", "size": "",
+                         "passed": verdict.passed, "failed": failed, "worst_margin": worst})
+        for name, sizes in chosen.items():
+            if lane not in FAULT_LANES[name]:
+                continue
+            for size in sizes:
+                key = fault_key(name, size)
+                if (lane, key) not in run.arms:
+                    rows.append({"lane": lane, "arm": name, "kind": "fault", "size": f"{size:g}", "passed": None,
+                                 "failed": ["(arm did not finish)"], "worst_margin": 0.0})
+                    continue
+                verdict = gate_arms(run, lane, kernels_key=key)
+                failed, worst = margins(verdict)
+                rows.append({"lane": lane, "arm": name, "kind": "fault", "size": f"{size:g}",
+                             "passed": verdict.passed, "failed": failed, "worst_margin": worst})
+    return rows, rises
+
+
+def table(rows: list[dict], rises: list[dict]) -> str:
+    lines = ["| lane | arm | size | verdict | failed gates | largest distance / band |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        if row["passed"] is None:
+            verdict = "not run"
+        elif row["kind"] == "A/A":
+            verdict = "pass" if row["passed"] else "FAIL"
+        else:
+            verdict = "caught" if not row["passed"] else "not caught"
+        shown = ", ".join(row["failed"][:6]) + (f" (+{len(row['failed']) - 6})" if len(row["failed"]) > 6 else "")
+        lines.append(f"| {row['lane']} | {row['arm']} | {row['size']} | {verdict} | {shown} | {row['worst_margin']:.2f} |")
+    if rises:
+        lines += ["", "| arm (live lane) | raw_reward rise (last 4 - first 4 rollouts) |", "|---|---|"]
+        lines += [f"| {r['arm']} | {'-' if r['rise'] is None else format(r['rise'], '.3f')} |" for r in rises]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("spec", help="a spec file or a shipped case name")
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--aa", type=int, default=4, help="A/A reruns of the kernel arm (default 4)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="run the arms into this folder")
+    where.add_argument("--regate", type=Path, metavar="DIR", help="gate the arms an earlier run left in DIR")
+    parser.add_argument("--aa", type=int, default=5, help="A/A reruns of the kernel arm (default 5)")
     parser.add_argument("--fault", action="append", default=[], metavar="NAME=SIZE[,SIZE]",
                         help=f"a fault and its sizes (default: {DEFAULT_FAULTS})")
     parser.add_argument("--lanes", default=None, help="comma-separated lanes to run (default: the spec's)")
@@ -87,57 +197,24 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--fault {item!r}: NAME=SIZE[,SIZE] with NAME one of {sorted(FAULT_LANES)}")
             chosen[name] = [float(x) for x in sizes.split(",")]
 
-    extras, rows = [], []
-    for lane in spec.lanes:
-        for i in range(ns.aa):
-            extras.append(ExtraArm(f"aa{i + 1}", variant(spec, f"A/A rerun {i + 1}", {}), lane=lane))
-        for name, sizes in chosen.items():
-            if lane not in FAULT_LANES[name]:
-                continue
-            for size in sizes:
-                env = {"VIME_RL_KERNEL_BACKEND": faults.DOTTED_PATH, faults.FAULT_ENV: f"{name}={size!r}"}
-                extras.append(ExtraArm(fault_key(name, size), variant(spec, f"fault {name} {size:g}", env), lane=lane))
-    try:
-        run: ABRun = run_ab(spec, ns.out, extra_arms=extras, overwrite=True, progress=LineProgress(sys.stdout))
-    except ABRunError as exc:
-        run = exc.run
-        print(f"e2e_power: {exc}".splitlines()[0], file=sys.stderr)
-    false_alarms = 0
-    for lane in spec.lanes:
-        pair = gate_arms(run, lane)
-        failed, worst = margins(pair)
-        rows.append({"lane": lane, "arm": "kernels vs baseline (the A/B)", "kind": "A/A", "size": "",
-                     "passed": pair.passed, "failed": failed, "worst_margin": worst})
-        false_alarms += not pair.passed
-        kern = run.arms[(lane, "kernels")]
-        for i in range(ns.aa):
-            other = run.arms[(lane, f"aa{i + 1}")]
-            verdict = gate_lane(kern.series, other.series, case=spec.case, platform=run.platform, lane=lane,
-                                skip_warmup=spec.window.skip_warmup_rollouts, gates=spec.gates,
-                                baseline_label=kern.label, kernels_label=other.label, bands=spec.bands)
-            failed, worst = margins(verdict)
-            rows.append({"lane": lane, "arm": f"A/A rerun {i + 1} vs kernels", "kind": "A/A", "size": "",
-                         "passed": verdict.passed, "failed": failed, "worst_margin": worst})
-            false_alarms += not verdict.passed
-        for name, sizes in chosen.items():
-            if lane not in FAULT_LANES[name]:
-                continue
-            for size in sizes:
-                verdict = gate_arms(run, lane, kernels_key=fault_key(name, size))
-                failed, worst = margins(verdict)
-                rows.append({"lane": lane, "arm": name, "kind": "fault", "size": f"{size:g}",
-                             "passed": verdict.passed, "failed": failed, "worst_margin": worst})
-    lines = ["| lane | arm | size | verdict | failed gates | largest distance / band |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        verdict = ("pass" if row["passed"] else "FAIL") if row["kind"] == "A/A" else \
-            ("caught" if not row["passed"] else "not caught")
-        shown = ", ".join(row["failed"][:6]) + (f" (+{len(row['failed']) - 6})" if len(row["failed"]) > 6 else "")
-        lines.append(f"| {row['lane']} | {row['arm']} | {row['size']} | {verdict} | {shown} | {row['worst_margin']:.2f} |")
-    table = "\n".join(lines)
-    print(f"\n# gate power: {spec.case} on {run.platform}\n\n{table}")
-    (ns.out / "power.json").write_text(json.dumps({"case": spec.case, "platform": run.platform, "rows": rows}, indent=1))
-    (ns.out / "power.md").write_text(table + "\n")
-    return 1 if false_alarms else 0
+    if ns.regate is not None:
+        out = ns.regate
+        run = dataclasses.replace(load_ab_run(out, allow_partial=True), spec=spec)  # gated with SPEC's bands
+    else:
+        out = ns.out
+        try:
+            run = run_ab(spec, out, extra_arms=plan_extras(spec, ns.aa, chosen), overwrite=True,
+                         progress=LineProgress(sys.stdout))
+        except ABRunError as exc:
+            run = exc.run
+            print(f"e2e_power: {exc}".splitlines()[0], file=sys.stderr)
+    rows, rises = power_rows(spec, run, ns.aa, chosen)
+    text = table(rows, rises)
+    print(f"\n# gate power: {spec.case} on {run.platform}\n\n{text}")
+    (out / "power.json").write_text(json.dumps({"case": spec.case, "platform": run.platform, "rows": rows,
+                                                "reward_rise": rises}, indent=1))
+    (out / "power.md").write_text(text + "\n")
+    return 1 if any(r["kind"] == "A/A" and not r["passed"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pytest_rlk.compare import compare_records, compare_value
 from pytest_rlk.e2e import metrics as m
-from pytest_rlk.e2e.spec import GateSelection, Lane
+from pytest_rlk.e2e.spec import GateSelection, Lane, ReplayHorizon
 from pytest_rlk.schema import Band, GateResult, MetricComparison, MetricRecord, Verdict, Window
 
 ROLLOUTS_COMPLETED = "rollouts_completed"
@@ -110,9 +110,11 @@ def _record(policy: m.MetricPolicy, name: str, value: float | list[float], windo
 
 
 def lane_records(series: Mapping[str, list[float]], *, lane: Lane, skip_warmup: int,
-                 gates: GateSelection, bands: Mapping[str, Band] | None = None) -> dict[str, MetricRecord]:
+                 gates: GateSelection, bands: Mapping[str, Band] | None = None,
+                 replay_steps: int | None = None) -> dict[str, MetricRecord]:
     """The records of one arm that are compared in `lane` (with their bands and windows).
-    `bands`: the case's overrides, "<lane>.<metric>" -> band (the spec's `bands`)."""
+    `bands`: the case's overrides, "<lane>.<metric>" -> band (the spec's `bands`);
+    `replay_steps`: the replay lane compares steps 0 .. replay_steps-1 (None: every step)."""
     out: dict[str, MetricRecord] = {}
     bands = bands or {}
     for name, values in series.items():
@@ -123,7 +125,7 @@ def lane_records(series: Mapping[str, list[float]], *, lane: Lane, skip_warmup: 
         if lane == "live" and policy.live:
             out[name] = _record(policy, name, list(values), Window(skip=skip_warmup, agg=policy.agg), band)
         elif lane == "replay" and policy.replay_per_step:
-            for step, value in enumerate(values):
+            for step, value in enumerate(values[:replay_steps]):
                 out[f"{name}[{step}]"] = _record(policy, f"{name}[{step}]", value, None, band)
     return out
 
@@ -173,16 +175,21 @@ def gate_lane(
     baseline_scalars: Mapping[str, float] | None = None,
     kernels_scalars: Mapping[str, float] | None = None,
     bands: Mapping[str, Band] | None = None,
+    replay_horizon: ReplayHorizon | None = None,
 ) -> LaneVerdict:
     """Gate one lane.
+
+    `replay_horizon`: the replay lane compares steps 0 .. steps-1 only (the spec's
+    `window.replay_horizon`); later steps are reported, and a note says so.
 
     `*_scalars` are run-level values (e.g. `peak_vram_mib` from the NVML poller: one number per
     arm); `kernel_fallback_events` adds fallbacks seen outside the series (log lines).
     """
     n_base = _check_series(baseline_label, baseline)
     n_kern = _check_series(kernels_label, kernels)
-    a = lane_records(baseline, lane=lane, skip_warmup=skip_warmup, gates=gates, bands=bands)
-    b = lane_records(kernels, lane=lane, skip_warmup=skip_warmup, gates=gates, bands=bands)
+    steps = replay_horizon.steps if replay_horizon is not None else None
+    a = lane_records(baseline, lane=lane, skip_warmup=skip_warmup, gates=gates, bands=bands, replay_steps=steps)
+    b = lane_records(kernels, lane=lane, skip_warmup=skip_warmup, gates=gates, bands=bands, replay_steps=steps)
     a.update(scalar_records(baseline_scalars or {}, lane=lane, gates=gates))
     b.update(scalar_records(kernels_scalars or {}, lane=lane, gates=gates))
     rollouts = MetricRecord(name=ROLLOUTS_COMPLETED, value=0.0, direction="two_sided", space="count",
@@ -208,6 +215,9 @@ def gate_lane(
         result.comparisons.append(empty_window)
     result.comparisons.append(_fallback_comparison(kernels, kernel_fallback_events))
     notes: list[str] = []
+    if lane == "replay" and replay_horizon is not None and min(n_base, n_kern) > replay_horizon.steps:
+        notes.append(f"replay steps {replay_horizon.steps}..{min(n_base, n_kern) - 1} reported, not gated "
+                     f"(horizon {replay_horizon.steps} steps: {replay_horizon.source})")
     ignored = sorted(set(baseline) & set(kernels) & m.NEVER_COMPARED)
     if ignored:
         notes.append(f"not compared across arms: {', '.join(ignored)} (entropy is reported, never gated; vime's kernel arm does not compute it)")

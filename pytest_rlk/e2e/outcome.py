@@ -147,6 +147,7 @@ def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels"
         baseline_label=base.label, kernels_label=kern.label,
         kernel_fallback_events=kern.reading.fallback_events,
         baseline_scalars=_peak(base), kernels_scalars=_peak(kern), bands=spec.bands,
+        replay_horizon=spec.window.replay_horizon,
     )
     verdict.gate.comparisons.extend(absolute_checks(run, lane, (base, kern)))
     for outcome in (base, kern):
@@ -240,12 +241,13 @@ def write_result(run: ABRun) -> None:
     }, indent=1))
 
 
-def load_ab_run(out_dir: Path) -> ABRun:
+def load_ab_run(out_dir: Path, *, allow_partial: bool = False) -> ABRun:
     """A finished run (`rlk e2e run`, `run_ab`) read back from its directory: the spec, every
-    arm's command, status, series and engine record, the wall time. Gate it with `gate_arms`."""
+    arm's command, status, series and engine record, the wall time. Gate it with `gate_arms`.
+    `allow_partial`: a run that died before its result is read from the arms it finished."""
     out_dir = Path(out_dir)
     result_path = out_dir / RESULT_FILE
-    if not result_path.exists():
+    if not result_path.exists() and not (allow_partial and (out_dir / SPEC_FILE).exists()):
         raise FileNotFoundError(f"{result_path}: no A/B result (was {out_dir} written by `rlk e2e run`?)")
     spec = load_spec(out_dir / SPEC_FILE)
     engine = get_engine(spec.engine)
@@ -262,7 +264,8 @@ def load_ab_run(out_dir: Path) -> ABRun:
             saved_peak_vram_mib_per_gpu={int(g): v for g, v in (saved.get("peak_vram_mib_per_gpu") or {}).items()})
     lane_rank = {lane: i for i, lane in enumerate(("replay", "live"))}
     arms = dict(sorted(arms.items(), key=lambda item: lane_rank.get(item[0][0], 9)))
-    return ABRun(spec, out_dir, ctx, arms, wall_s=json.loads(result_path.read_text())["wall_s"])
+    wall_s = json.loads(result_path.read_text())["wall_s"] if result_path.exists() else 0.0
+    return ABRun(spec, out_dir, ctx, arms, wall_s=wall_s)
 
 
 def report_ab_dir(out_dir: Path, report_dir: Path | None = None) -> tuple[ABRun, ReportPaths]:

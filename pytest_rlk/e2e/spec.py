@@ -152,10 +152,26 @@ class Arms(_Frozen):
         return self
 
 
+class ReplayHorizon(_Frozen):
+    """The steps the replay lane compares one by one: 0 .. steps-1.
+
+    Both arms of the replay lane train on the same rollouts, but each on its own weights. A correct
+    kernel differs from the baseline in its last bits, and training amplifies that difference step
+    after step (fast at a high learning rate), until the replayed rollouts are off-policy for one
+    arm and the per-step comparison measures chaos, not the kernel. Past the horizon the series are
+    reported and charted, not gated."""
+
+    steps: int = Field(ge=1, description="Steps compared one by one (from step 0).")
+    source: str = Field(min_length=1, description="The measurement the horizon comes from: how far a "
+                        "correct kernel's per-step differences stay inside their bands on this case's platform.")
+
+
 class WindowSpec(_Frozen):
     skip_warmup_rollouts: int = Field(
         ge=0, description="Rollouts (steps) dropped from the front of every series before gating."
     )
+    replay_horizon: ReplayHorizon | None = Field(
+        default=None, description="The replay lane compares steps 0 .. steps-1 only (unset: every step).")
 
 
 class Timeouts(_Frozen):
@@ -275,6 +291,11 @@ class ABSpec(_Frozen):
                                  f"of pytest_rlk.e2e.metrics")
             if not band.source:
                 raise ValueError(f"bands: {key!r} needs its source (the measurement it comes from)")
+        horizon = self.window.replay_horizon
+        if horizon is not None and ("replay" not in self.lanes or horizon.steps > self.hyperparameters.num_rollout):
+            raise ValueError(
+                f"window.replay_horizon.steps = {horizon.steps} needs the replay lane (lanes: {self.lanes}) and "
+                f"at most hyperparameters.num_rollout = {self.hyperparameters.num_rollout} steps")
         if self.window.skip_warmup_rollouts >= self.hyperparameters.num_rollout:
             raise ValueError(
                 f"window.skip_warmup_rollouts = {self.window.skip_warmup_rollouts} leaves no "

@@ -6,7 +6,7 @@ import pytest
 
 from pytest_rlk.e2e import metrics as m
 from pytest_rlk.e2e.gates import gate_lane, pair_verdict
-from pytest_rlk.e2e.spec import GateSelection
+from pytest_rlk.e2e.spec import GateSelection, ReplayHorizon
 from pytest_rlk.e2e.engines.vime.log import parse_vime_log
 from pytest_rlk.schema import Verdict
 
@@ -109,6 +109,21 @@ def test_replay_lane_compares_every_step(arms):
     drift = {**kern, m.GRAD_NORM: [0.41, 0.39, 0.46]}
     lane = gate_lane(base, drift, case="c", platform="h200", lane="replay", skip_warmup=1)
     assert _verdicts(lane)[f"{m.GRAD_NORM}[2]"] is Verdict.REGRESSION and not lane.passed
+
+
+def test_replay_horizon_gates_its_steps_and_reports_the_rest(arms):
+    """Past the horizon the arms train on weights that have parted: reported, not gated."""
+    base, _ = arms
+    far = {**base, m.FALLBACK_COUNT: [0.0] * 3, m.GRAD_NORM: [base[m.GRAD_NORM][0], 9.0, 9.0]}
+    horizon = ReplayHorizon(steps=1, source="measured: the arms part after step 0")
+    lane = gate_lane(base, far, case="c", platform="h200", lane="replay", skip_warmup=1, replay_horizon=horizon)
+    assert lane.passed, lane.failures()
+    assert f"{m.GRAD_NORM}[0]" in _verdicts(lane) and f"{m.GRAD_NORM}[1]" not in _verdicts(lane)
+    assert any("replay steps 1..2 reported, not gated (horizon 1 steps: measured" in n for n in lane.notes)
+    wrong_first = {**far, m.GRAD_NORM: [base[m.GRAD_NORM][0] * 1.5, 9.0, 9.0]}
+    lane = gate_lane(base, wrong_first, case="c", platform="h200", lane="replay", skip_warmup=1,
+                     replay_horizon=horizon)
+    assert _verdicts(lane)[f"{m.GRAD_NORM}[0]"] is Verdict.REGRESSION and not lane.passed
 
 
 def test_an_arm_with_fewer_rollouts_fails(arms):

@@ -51,7 +51,8 @@ PERTURBED = "kernels_perturbed"
 PERTURB_ENV = {"VIME_RL_KERNEL_BACKEND": perturbed_backend.DOTTED_PATH}
 
 
-def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool, gate_correctness: bool = True) -> None:
+def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool, gate_memory: bool | None = None,
+                        gate_correctness: bool = True) -> None:
     """Per-arm series into the run record; the kernel arm's gate against the stored baselines."""
     spec = run.spec
     rlk_metrics.set_case(spec.case)
@@ -65,8 +66,10 @@ def _record_arm_metrics(rlk_metrics, run: ABRun, *, gate_speed: bool, gate_corre
             if policy is None:
                 continue
             gated = key == "kernels" and policy.group == "correctness" and policy.live and gate_correctness
-            if policy.group in ("speed", "memory"):
+            if policy.group == "speed":
                 gated = key == "kernels" and gate_speed
+            elif policy.group == "memory":
+                gated = key == "kernels" and (gate_speed if gate_memory is None else gate_memory)
             rlk_metrics.record(
                 f"{key}.{name}", values, unit=policy.unit, direction=policy.direction, space=policy.space,
                 tags={"arm": run.arm(key).label, "engine": "trl"}, gate=gated,
@@ -373,7 +376,7 @@ def test_trl_gpu_ab_learns_and_passes_both_lanes(tmp_path, rlk_metrics, rlk_prog
     spec = load_spec(SMALL_GPU)
     with rlk_progress.step(f"TRL GRPO A/B {SMALL_GPU.stem}: replay and live lanes, 4 arms one after the other"):
         run = run_ab(spec, tmp_path, progress=_EveryFourthRollout(_ToTerminal(rlk_progress)))
-    _record_arm_metrics(rlk_metrics, run, gate_speed=True)
+    _record_arm_metrics(rlk_metrics, run, gate_speed=spec.gates.speed, gate_memory=spec.gates.memory)
     paths = write_run_report(run, rlk_metrics.artifact_dir / "report")
     assert paths.markdown.exists()
     assert run.verdict is not None and f" on {run.platform}:" in run.verdict.summary()

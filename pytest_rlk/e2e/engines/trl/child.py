@@ -100,6 +100,10 @@ def model_dir(spec: ABSpec, settings: TrlSettings, target: Path) -> Path:
         return local
     with exclusive(target.with_name(target.name + ".lock")):
         if (target / WARM_START_RECORD).is_file():
+            built = json.loads((target / WARM_START_RECORD).read_text()).get("seed")
+            if built is not None and built != spec.seeds.seed:
+                raise ValueError(f"{target}: built with seeds.seed = {built}, this arm's is {spec.seeds.seed}: "
+                                 "arms that share a model directory share its seed (vary seeds.rollout_seed)")
             return target
         building = target.with_name(target.name + ".building")
         shutil.rmtree(building, ignore_errors=True)
@@ -110,7 +114,7 @@ def model_dir(spec: ABSpec, settings: TrlSettings, target: Path) -> Path:
                                           extra_vocab=settings.extra_vocab)
         else:
             source = local
-        record: dict[str, object] = {"source": str(source), "steps": plan.steps}
+        record: dict[str, object] = {"source": str(source), "steps": plan.steps, "seed": spec.seeds.seed}
         if plan.steps:
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, settings.dtype))
