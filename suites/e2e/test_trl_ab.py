@@ -585,3 +585,19 @@ def test_read_series_rejects_ragged_lines(tmp_path):
     )
     with pytest.raises(ValueError, match="line 2 has metrics"):
         read_series(tmp_path)
+
+
+def test_a_shared_model_directory_refuses_an_arm_of_another_seed(tmp_path):
+    """Arms share the model the first one built; one with another `seeds.seed` would silently
+    train a model its seed did not make."""
+    from pytest_rlk.e2e.engines.trl.child import WARM_START_RECORD, model_dir
+
+    spec = load_spec(REPLAY_CPU)
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / WARM_START_RECORD).write_text(json.dumps({"steps": 0, "seed": spec.seeds.seed + 1}))
+    with pytest.raises(ValueError, match=rf"built with seeds.seed = {spec.seeds.seed + 1}, this arm's is "
+                                         rf"{spec.seeds.seed}.*vary seeds.rollout_seed"):
+        model_dir(spec, spec.settings, target)
+    (target / WARM_START_RECORD).write_text(json.dumps({"steps": 0, "seed": spec.seeds.seed}))
+    assert model_dir(spec, spec.settings, target) == target
