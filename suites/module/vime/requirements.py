@@ -13,6 +13,10 @@ in every test that imports it.
 * ``megatron_commit(vime_root)``: the Megatron-LM commit the checkout's ``docker/Dockerfile`` pins
   (``ARG MEGATRON_COMMIT=...``), or the one vime's Dockerfile pins at a known commit where the
   checkout has none (the message says which).
+* ``unpatched_megatron(vime_root, roots)``: vime's image applies the checkout's
+  ``docker/patch/<PATCH_VERSION>/megatron.patch`` to that Megatron-LM, and the patch adds flags to
+  ``megatron/training/arguments.py``; a Megatron-LM on the path without them parses differently from
+  the image, so the parser checks name it instead of running against it.
 """
 
 from __future__ import annotations
@@ -29,9 +33,14 @@ from suites.module.vime import conformance as cf
 
 DOCKERFILE = "docker/Dockerfile"
 _MEGATRON_ARG = re.compile(r"^\s*ARG\s+MEGATRON_COMMIT=([0-9a-fA-F]{7,40})\s*$", re.MULTILINE)
-# vime's docker/Dockerfile at vime 071e2bcf pins this Megatron-LM commit (named where a checkout has none).
+# vime's docker/Dockerfile pins this Megatron-LM commit at vime 2b83ea20 (the specs' pin) and at 071e2bcf
+# (named where a checkout has none).
 KNOWN_MEGATRON_COMMIT = "1dcf0dafa884ad52ffb243625717a3471643e087"
-KNOWN_MEGATRON_SOURCE = "vime's docker/Dockerfile at 071e2bcf"
+KNOWN_MEGATRON_SOURCE = "vime's docker/Dockerfile at 2b83ea20 and 071e2bcf"
+_PATCH_VERSION_ARG = re.compile(r"^\s*ARG\s+PATCH_VERSION=(\S+)\s*$", re.MULTILINE)
+MEGATRON_ARGUMENTS_FILE = "megatron/training/arguments.py"
+_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/")
+_ADDED_FLAG = re.compile(r"^\+.*add_argument\(\s*['\"](--[A-Za-z0-9][A-Za-z0-9-]*)['\"]")
 # Packages whose modules the closure follows into their files (the rest: the top-level package must import).
 FOLLOWED = ("vime", "megatron.training")
 _OPTIONAL_IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
@@ -58,6 +67,49 @@ def megatron_commit(vime_root: Path) -> tuple[str, str]:
             return match.group(1), f"{dockerfile} (MEGATRON_COMMIT)"
         return KNOWN_MEGATRON_COMMIT, f"{KNOWN_MEGATRON_SOURCE}; {dockerfile} names no MEGATRON_COMMIT"
     return KNOWN_MEGATRON_COMMIT, f"{KNOWN_MEGATRON_SOURCE}; this checkout has no {DOCKERFILE}"
+
+
+def megatron_patch(vime_root: Path) -> Path:
+    """The patch vime's docker/Dockerfile applies to Megatron-LM (``ARG PATCH_VERSION``, default ``latest``)."""
+    dockerfile = Path(vime_root) / DOCKERFILE
+    text = dockerfile.read_text(encoding="utf-8", errors="replace") if dockerfile.is_file() else ""
+    match = _PATCH_VERSION_ARG.search(text)
+    return Path(vime_root) / "docker" / "patch" / (match.group(1) if match else "latest") / "megatron.patch"
+
+
+def flags_added_to_megatron_arguments(patch: Path) -> list[str]:
+    """The ``--flags`` whose ``add_argument`` lines ``patch`` adds to megatron/training/arguments.py."""
+    flags, current = [], None
+    for line in patch.read_text(encoding="utf-8", errors="replace").splitlines():
+        header = _DIFF_FILE.match(line)
+        if header:
+            current = header.group(1)
+            continue
+        added = _ADDED_FLAG.match(line) if current == MEGATRON_ARGUMENTS_FILE else None
+        if added and added.group(1) not in flags:
+            flags.append(added.group(1))
+    return flags
+
+
+def unpatched_megatron(vime_root: Path, roots: Sequence[Path]) -> list[Missing]:
+    """The Megatron-LM ``megatron/training/arguments.py`` on ``roots`` that lacks a flag the checkout's
+    megatron.patch adds (nothing to check where the checkout has no such patch, or no Megatron-LM is there:
+    the closure names that)."""
+    patch = megatron_patch(vime_root)
+    if not patch.is_file():
+        return []
+    flags = flags_added_to_megatron_arguments(patch)
+    for root in roots:
+        arguments = Path(root) / MEGATRON_ARGUMENTS_FILE
+        if not arguments.is_file():
+            continue
+        text = arguments.read_text(encoding="utf-8", errors="replace")
+        absent = [flag for flag in flags if f"'{flag}'" not in text and f'"{flag}"' not in text]
+        if not absent:
+            return []
+        return [Missing(f"{', '.join(absent)} in {arguments} (added by {patch})", "the parser checks",
+                        f"apply vime's patch as its docker/Dockerfile does: cd {Path(root)} && git apply --3way {patch}")]
+    return []
 
 
 def _module_file(name: str, roots: Sequence[Path]) -> Path | None:
@@ -241,8 +293,9 @@ def check_tree(vime_root: Path, *, fork_root: Path | None, model_scripts: Iterab
     fixes = {
         "vime": (f"use a vime checkout at the specs' pinned commit ({pinned}) or rebuild the tree with these files "
                  "(docs/e2e-vime.md, 'What a checkout needs')"),
-        "megatron": (f"put Megatron-LM at commit {commit} (from {source}) on PYTHONPATH: megatron-core alone "
-                     "has no megatron.training, Megatron-LM's current HEAD has no megatron.training.tokenizer"),
+        "megatron": (f"put Megatron-LM at commit {commit} (from {source}) on PYTHONPATH, with vime's "
+                     f"{megatron_patch(vime_root).relative_to(vime_root)} applied as the image does: megatron-core "
+                     "alone has no megatron.training, Megatron-LM's current HEAD has no megatron.training.tokenizer"),
         "six": "pip install six (Megatron-LM's megatron/training/tokenizer/bert_tokenization.py imports it)",
     }
     provided = stand_ins_needed(vime_root)
@@ -260,6 +313,7 @@ def check_tree(vime_root: Path, *, fork_root: Path | None, model_scripts: Iterab
         found[fixture] = missing
     found["parser_stand_ins"] += files_missing(Path(vime_root), sorted(set(model_scripts)),
                                                "the specs' vime.model_args_script (MODEL_ARGS)", fixes["vime"])
+    found["parser_stand_ins"] += unpatched_megatron(Path(vime_root), megatron_roots())
     return found
 
 
@@ -284,9 +338,12 @@ __all__ = [
     "Need",
     "check_tree",
     "files_missing",
+    "flags_added_to_megatron_arguments",
     "megatron_commit",
+    "megatron_patch",
     "megatron_roots",
     "module_closure",
     "skip_reason",
     "stand_ins_needed",
+    "unpatched_megatron",
 ]

@@ -107,3 +107,48 @@ def test_an_empty_tree_skips_with_one_reason_naming_each_piece(tmp_path):
         assert piece in reason, (piece, reason)
     assert reason.count("scripts/models/qwen3-4B.sh") == 1
     assert rq.skip_reason([]) is None
+
+
+_PATCH = """diff --git a/megatron/core/transformer/transformer_config.py b/megatron/core/transformer/transformer_config.py
++    group.add_argument('--not-in-arguments', action='store_true')
+diff --git a/megatron/training/arguments.py b/megatron/training/arguments.py
+@@ -1701,6 +1704,8 @@ def _add_network_size_args(parser):
+     group.add_argument('--make-vocab-size-divisible-by', type=int, default=128,
++    group.add_argument('--use-gated-attention', action='store_true',
++                       help='If set, use gated attention')
+diff --git a/megatron/training/training.py b/megatron/training/training.py
++    parser.add_argument("--not-in-arguments-either")
+"""
+
+
+def test_the_flags_vimes_megatron_patch_adds_to_the_parser(tmp_path):
+    """Only ``add_argument`` lines the patch adds to megatron/training/arguments.py count; the patch's
+    directory is the Dockerfile's ``ARG PATCH_VERSION``."""
+    root = _write(tmp_path / "vime_tree", {"docker/Dockerfile": "ARG PATCH_VERSION=v2\n",
+                                            "docker/patch/v2/megatron.patch": _PATCH})
+    assert rq.megatron_patch(root) == root / "docker/patch/v2/megatron.patch"
+    assert rq.flags_added_to_megatron_arguments(rq.megatron_patch(root)) == ["--use-gated-attention"]
+    assert rq.megatron_patch(tmp_path) == tmp_path / "docker/patch/latest/megatron.patch"
+
+
+def test_a_megatron_without_vimes_patch_is_named_with_the_command_that_applies_it(tmp_path):
+    vime_root = _write(tmp_path / "vime_tree", {"docker/patch/latest/megatron.patch": _PATCH})
+    core_only = _write(tmp_path / "site", {"megatron/core/__init__.py": ""})  # megatron-core: no training
+    plain = _write(tmp_path / "plain", {rq.MEGATRON_ARGUMENTS_FILE: "group.add_argument('--make-vocab-size-divisible-by')\n"})
+    patched = _write(tmp_path / "patched", {rq.MEGATRON_ARGUMENTS_FILE: "group.add_argument('--use-gated-attention')\n"})
+    missing = rq.unpatched_megatron(vime_root, [core_only, plain])
+    assert len(missing) == 1
+    assert missing[0].piece.startswith(f"--use-gated-attention in {plain / rq.MEGATRON_ARGUMENTS_FILE}")
+    assert missing[0].fix.endswith(f"cd {plain} && git apply --3way {vime_root / 'docker/patch/latest/megatron.patch'}")
+    assert rq.unpatched_megatron(vime_root, [core_only, patched]) == []
+    assert rq.unpatched_megatron(vime_root, [patched, plain]) == []  # the first on the path is the one imported
+    assert rq.unpatched_megatron(tmp_path / "no_patch", [plain]) == []
+
+
+def test_check_tree_names_an_unpatched_megatron_for_the_parser_tests_only(tmp_path, monkeypatch):
+    vime_root = _write(tmp_path / "vime_tree", {"vime/__init__.py": "", "docker/patch/latest/megatron.patch": _PATCH})
+    plain = _write(tmp_path / "plain", {rq.MEGATRON_ARGUMENTS_FILE: ""})
+    monkeypatch.setattr(sys, "path", [str(plain), *sys.path])
+    found = rq.check_tree(vime_root, fork_root=None, model_scripts=[], vime_commits=["2b83ea20aa"])
+    assert "--use-gated-attention in" in rq.skip_reason(found["parser_stand_ins"])
+    assert "--use-gated-attention" not in (rq.skip_reason(found["vime_loss"]) or "")
