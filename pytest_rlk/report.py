@@ -21,7 +21,7 @@ from pytest_rlk.report_data import INJECTED, ReportData, is_error, report_data, 
 from pytest_rlk.report_html import anchor, write_html
 from pytest_rlk.schema import RunRecord, Verdict
 from pytest_rlk.skips import skips_by_cause
-from pytest_rlk.table import comparison_row, exercised_backends, fmt
+from pytest_rlk.table import comparison_row, count, exercised_backends, fmt
 
 GATE_HEADERS = ("case", "metric", "baseline", "new", "delta", "band", "verdict", "band source")
 METRICS_CSV = "metrics.csv"
@@ -86,7 +86,7 @@ def summary(run: RunRecord, data: ReportData) -> list[str]:
     if missing:
         from pytest_rlk.table import record_command
 
-        lines.append(f"- {missing} cases have no baseline: record them with `{record_command(run)}`")
+        lines.append(f"- {count(missing, 'case')} without a baseline: record them with `{record_command(run)}`")
     worst = [rows[0] for rows in data.margins.values() if rows and rows[0].value > 0]
     if worst:
         lines.append("- closest to its tolerance: " + "; ".join(
@@ -97,7 +97,7 @@ def summary(run: RunRecord, data: ReportData) -> list[str]:
                      + ", ".join(f"{cause} {sum(c.values())}" for cause, c in causes.items())
                      + f"; [reasons](#{anchor(SKIPPED)}))")
     used = exercised_backends(run)
-    lines.append("- kernel backends exercised: " + (", ".join(f"{b} ({n} tests)" for b, n in used.most_common())
+    lines.append("- kernel backends exercised: " + (", ".join(f"{b} ({count(n, 'test')})" for b, n in used.most_common())
                                                   if used else f"none recorded by the tests (configured: "
                                                   f"{', '.join(m.kernel_backend_ids) or '-'})"))
     if run.fallback_counts:

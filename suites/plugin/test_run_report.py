@@ -61,6 +61,7 @@ def test_a_wrong_loss_is_caught(rlk_metrics):
                            gate=False)
 
 def test_counts(rlk_metrics):
+    rlk_metrics.record_backend("standin/1")
     rlk_metrics.record("tokens_seen", 128.0, direction="two_sided", space="count", gate=False)
     rlk_metrics.record("zero_series", [0.0, 0.0, 0.0], direction="two_sided", gate=False)
 """
@@ -94,6 +95,7 @@ def test_report_reads_top_down(report):
     summary = text.split("## Verdict", 1)[1].split("## Failures", 1)[0]
     assert "- tests: 3 failed, 2 passed, 2 skipped (1 of them with an injected fault, listed apart)" in summary
     assert "- skipped: 2 (hardware/resources 1, other 1; [reasons](#skipped-by-cause))" in summary
+    assert "- kernel backends exercised: standin/1 (1 test)" in summary
     ab = text.split("## Performance and A/B", 1)[1].split("## Single values", 1)[0]
     assert "| test_ab.test_training-dense | tokens_per_s | reference 100; kernels 166.7 | kernels +0.667 |" in ab
     failures = text.split("## Failures and regressions", 1)[1].split("## Gate", 1)[0]
