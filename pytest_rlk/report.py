@@ -132,7 +132,7 @@ def failures_section(run: RunRecord, data: ReportData) -> list[str]:
             over = [mm for mm in t.metrics if not mm.is_series and is_error(mm) and tolerance(mm) is not None
                     and float(mm.value) > tolerance(mm)]
             worst = max(over, key=lambda mm: float(mm.value) / tolerance(mm)) if over else None
-            caught = (f"{len(over)} error(s) over tolerance; worst {worst.name} at "
+            caught = (f"{count(len(over), 'error')} over tolerance; worst {worst.name} at "
                       f"{float(worst.value) / tolerance(worst):.3g}x its tolerance" if worst is not None
                       else "no recorded error over its tolerance")
             findings = [c for c in (t.gate.comparisons if t.gate else []) if c.verdict in _FINDINGS]
