@@ -119,7 +119,7 @@ def test_injected_faults_are_listed_apart_from_the_real_cases(report, rlk_pytest
 
     text = (report / "report.md").read_text()
     injected = text.split("### Injected faults", 1)[1].split("## Gate", 1)[0]
-    assert ("| `suites/module/test_ab.py::test_a_wrong_loss_is_caught` | a loss 5e-3 off | passed | 1 error(s) over "
+    assert ("| `suites/module/test_ab.py::test_a_wrong_loss_is_caught` | a loss 5e-3 off | passed | 1 error over "
             "tolerance; worst loss_max_abs_diff at 500x its tolerance | - |") in injected
     data = report_data(latest_run(rlk_pytester))
     assert [t.case for t in data.injected] == ["test_ab.test_a_wrong_loss_is_caught"]
