@@ -102,3 +102,14 @@ def test_the_baseline_directories_the_readme_names_exist():
     for tier in named:
         assert any((ROOT / "baselines" / tier / "cpu").glob("*.json")), tier
     assert not (ROOT / "baselines" / "op" / "cpu").exists()  # the README says the op tier stores none on CPU
+
+
+def test_the_readme_names_every_option_a_user_can_give():
+    """Every ``--rlk-*`` option of the plugin but the hidden ones (``argparse.SUPPRESS``, set by
+    the plugin itself) is in the README's options line."""
+    source = (ROOT / "pytest_rlk" / "plugin.py").read_text()
+    options = {name for name, rest in re.findall(r'addoption\("(--rlk-[a-z-]+)"(.*)', source)
+               if "SUPPRESS" not in rest}
+    assert {"--rlk-tier", "--rlk-backend"} <= options
+    line = README.split("Options (all under", 1)[1].split("\n\n", 1)[0]
+    assert sorted(o for o in options if f"`{o}`" not in line and f"`{o}=" not in line) == []
