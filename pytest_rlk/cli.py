@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="write a run's report: report.md and report.html (one self-contained "
                                            "page, charts inlined)")
-    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
+    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest', or an A/B directory "
+                                                   "(rlk e2e run --out DIR)")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
                         help="also write/update the run platform's roofline section of MD "

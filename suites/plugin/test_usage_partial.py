@@ -101,6 +101,8 @@ def test_rlk_help_lists_every_command_and_report_names_the_html(capsys):
         assert f"    {name} " in text, name
     assert "commands: " + ", ".join(commands) in " ".join(text.split())
     assert "report.html" in " ".join(text.split())
+    report_help = " ".join(commands["report"].format_help().split())
+    assert "an A/B directory (rlk e2e run --out DIR)" in report_help  # rlk report DIR takes one
 
 
 def test_the_summary_counts_what_m_deselected(rlk_pytester):
