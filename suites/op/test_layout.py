@@ -3,6 +3,7 @@
 purpose: ..."); the profilers and probes live in ``tools/``, not among the tests."""
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -19,8 +20,6 @@ def opening_comment(path: Path) -> str:
     """A Python file's module docstring, or a C/C++ file's leading ``//`` lines."""
     text = path.read_text()
     if path.suffix == ".py":
-        import ast
-
         return ast.get_docstring(ast.parse(text, str(path))) or ""
     lines = []
     for line in text.splitlines():
