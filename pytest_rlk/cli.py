@@ -25,7 +25,7 @@ from pytest_rlk.history import band_source_lines, shadow_lines
 from pytest_rlk.options import OptionError, parse_refresh_rel
 from pytest_rlk.schema import GateResult, RunRecord
 from pytest_rlk.session import merge_run
-from pytest_rlk.table import DIFF_HEADERS, diff_table, missing_baseline_lines, one_run_only_lines
+from pytest_rlk.table import DIFF_HEADERS, count, diff_table, missing_baseline_lines, one_run_only_lines
 from pytest_rlk.tag_diff import diff_tag_selections, parse_selectors, selector_text, unsupported_lines
 
 EXTENSION_MODULES = ("pytest_rlk.e2e.cli", "pytest_rlk.bench_cli", "pytest_rlk.nightly.cli", "pytest_rlk.drift.cli",
@@ -182,7 +182,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     run_dir = storage.resolve_run_dir(args.run_dir, args.artifacts)
     run = merge_run(run_dir)
-    print(f"{run_dir / storage.RUN_FILE}: status {run.status}, {len(run.tests)} tests")
+    print(f"{run_dir / storage.RUN_FILE}: status {run.status}, {count(len(run.tests), 'test')}")
     return 0
 
 
@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="write a run's report: report.md and report.html (one self-contained "
                                            "page, charts inlined)")
-    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest'")
+    report.add_argument("run", metavar="RUN", help="a run dir, run.json, run id or 'latest', or an A/B directory "
+                                                   "(rlk e2e run --out DIR)")
     report.add_argument("-o", "--output", type=Path, default=None, help="default: RUN/report/")
     report.add_argument("--performance", type=Path, default=None, metavar="MD",
                         help="also write/update the run platform's roofline section of MD "

@@ -21,7 +21,7 @@ from pytest_rlk.report_data import INJECTED, ReportData, is_error, report_data, 
 from pytest_rlk.report_html import anchor, write_html
 from pytest_rlk.schema import RunRecord, Verdict
 from pytest_rlk.skips import skips_by_cause
-from pytest_rlk.table import comparison_row, count, exercised_backends, fmt
+from pytest_rlk.table import backends_text, comparison_row, count, exercised_backends, fmt
 
 GATE_HEADERS = ("case", "metric", "baseline", "new", "delta", "band", "verdict", "band source")
 METRICS_CSV = "metrics.csv"
@@ -97,9 +97,8 @@ def summary(run: RunRecord, data: ReportData) -> list[str]:
                      + ", ".join(f"{cause} {sum(c.values())}" for cause, c in causes.items())
                      + f"; [reasons](#{anchor(SKIPPED)}))")
     used = exercised_backends(run)
-    lines.append("- kernel backends exercised: " + (", ".join(f"{b} ({count(n, 'test')})" for b, n in used.most_common())
-                                                  if used else f"none recorded by the tests (configured: "
-                                                  f"{', '.join(m.kernel_backend_ids) or '-'})"))
+    lines.append("- kernel backends exercised: " + (backends_text(used) if used else "none recorded by the tests "
+                                                  f"(configured: {', '.join(m.kernel_backend_ids) or '-'})"))
     if run.fallback_counts:
         lines.append("- kernel fallbacks: " + ", ".join(f"{op} {n}" for op, n in sorted(run.fallback_counts.items())))
     lines += [f"- file: {d}: `{p}`" for d, p in sorted(run.files.items())]

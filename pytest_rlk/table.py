@@ -227,12 +227,16 @@ def exercised_backends(run: RunRecord) -> Counter[str]:
     return Counter(b for t in run.tests for b in t.backends)
 
 
+def backends_text(used: Counter[str]) -> str:
+    """``liger/0.8.5 (2 tests), rlk-triton/0.1.0 (1 test)``: commonest first."""
+    return ", ".join(f"{b} ({count(n, 'test')})" for b, n in used.most_common())
+
+
 def backend_lines(run: RunRecord) -> list[str]:
     used = exercised_backends(run)
     if not used:
         return []
-    return ["kernel backends exercised: " + ", ".join(
-        f"{b} ({count(n, 'test')})" for b, n in used.most_common())]
+    return ["kernel backends exercised: " + backends_text(used)]
 
 
 def run_elapsed_s(run: RunRecord) -> float | None:

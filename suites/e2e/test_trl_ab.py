@@ -187,6 +187,12 @@ def test_trl_cpu_ab_report_has_plots_and_reproducibility_notes(dense_cpu_ab, rlk
     for needle in ("Pair verdict: PASS", "VIME_RL_KERNEL=1", "--arm baseline", "--arm kernels", "trl 1.16",
                    "Triton interpreter", "Initial weights digest", '"seed": 1234', "repeat"):
         assert needle in text, needle
+    # the machine by its CPU model (not only its architecture) and the Triton the arms ran
+    import importlib.metadata
+
+    from pytest_rlk.platform import cpu_model
+
+    assert f"Hardware: {cpu_model()} (" in text and f"triton {importlib.metadata.version('triton')}" in text
 
 
 # ------------------------------------------------------------------------------------------

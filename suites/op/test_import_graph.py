@@ -3,7 +3,7 @@
 * the reference (the oracle) imports nothing from ``kernels.ops`` (what it judges);
 * the contracts import only the settings and each other: every layer may import them;
 * ``kernels`` imports nothing from ``pytest_rlk`` or ``suites``;
-* no import cycle between kernels' modules.
+* no import cycle between the modules of ``kernels``, nor between those of ``pytest_rlk``.
 
 ``python suites/op/test_import_graph.py`` prints the graph between kernels' subpackages.
 """
@@ -45,7 +45,7 @@ def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def import_graph(root: Path = KERNELS) -> dict[str, set[str]]:
-    """kernels module -> the kernels modules it imports (names that are modules of the tree)."""
+    """module of the package at ``root`` -> the modules of that package it imports."""
     files = {module_name(p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
@@ -118,11 +118,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycle_between_kernels_modules():
-    # a package's __init__ importing its own submodules is not a cycle of layers: leave those edges out
-    graph = {m: {t for t in targets if not (m.count(".") < t.count(".") and _within(t, m))}
-             for m, targets in import_graph().items()}
-    assert _cycles(graph) == []
+def layer_graph(root: Path) -> dict[str, set[str]]:
+    """``import_graph`` less the edges from a package's __init__ to its own submodules (those
+    make no cycle of layers)."""
+    return {m: {t for t in targets if not (m.count(".") < t.count(".") and _within(t, m))}
+            for m, targets in import_graph(root).items()}
+
+
+@pytest.mark.parametrize("package", ["kernels", "pytest_rlk"])
+def test_no_import_cycle_between_a_packages_modules(package):
+    assert _cycles(layer_graph(ROOT / package)) == []
 
 
 def test_the_check_finds_a_reference_to_ops_import(tmp_path, monkeypatch):
@@ -139,9 +144,23 @@ def test_the_check_finds_a_reference_to_ops_import(tmp_path, monkeypatch):
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
-@pytest.mark.parametrize("package", ["kernels.reference", "kernels.contracts"])
+def test_the_check_finds_a_cycle_through_a_package_init(tmp_path, monkeypatch):
+    """A module importing a package whose __init__ imports a module that imports the first: one
+    cycle of three, though the __init__'s edges to its own submodules are left out."""
+    pkg = tmp_path / "pkg"
+    (pkg / "engines").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "spec.py").write_text("from pkg.engines import registry\n")
+    (pkg / "engines" / "__init__.py").write_text("from pkg.engine import Engine\n")
+    (pkg / "engine.py").write_text("from pkg.spec import Spec\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _cycles(layer_graph(pkg)) == [["pkg.engine", "pkg.engines", "pkg.spec"]]
+
+
+@pytest.mark.parametrize("package", ["kernels.reference", "kernels.contracts", "pytest_rlk.drift",
+                                     "pytest_rlk.e2e.engines"])
 def test_package_is_in_the_graph(package):
-    assert any(_within(m, package) for m in import_graph()), package
+    assert any(_within(m, package) for m in import_graph(ROOT / package.split(".")[0])), package
 
 
 def subpackage_edges() -> dict[str, set[str]]:

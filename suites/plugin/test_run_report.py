@@ -232,3 +232,38 @@ def test_errors_that_are_all_zero_draw_no_chart_but_say_so(tmp_path):
     assert [(c.path, c.caption) for c in charts] == [
         (None, "tier op: all 2 errors with a tolerance are exactly 0 (no chart)")]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_arms_legend_sits_beside_the_axes_inside_the_figure(tmp_path, monkeypatch):
+    """A legend over the axes covers the lines it names; one past the figure's edge is cut."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from pytest_rlk import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    cases = [f"tiny_training_step_kernels_match_reference-{kind}-tp1-bf16" for kind in ("dense", "moe")]
+    lines = [(case, arm, [1.0, 0.8, 0.7, 0.65]) for case in cases for arm in ("reference", "kernels")]
+    plots.plot_arms_over_steps(lines, skip=1, title="loss", ylabel="loss", path=tmp_path / "arms.png")
+    (fig,) = figures
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    ax = fig.axes[0]
+    axes_box, legend_box = ax.get_window_extent(renderer), ax.get_legend().get_window_extent(renderer)
+    assert legend_box.x0 >= axes_box.x1  # beside the axes, over none of their lines
+    assert legend_box.x1 <= fig.bbox.x1 and legend_box.y0 >= fig.bbox.y0  # inside the figure: nothing cut
+    labels = ["".join(t.get_text().split("\n")) for t in ax.get_legend().get_texts()]
+    assert sum(label.endswith(f"dense-tp1-bf16 / {arm}") for label in labels for arm in ("reference", "kernels")) == 2
+
+
+def test_the_verdict_counts_each_backends_tests_as_the_summary_does(tmp_path):
+    """``1 test``, never ``1 tests``: the report's backends line is the terminal summary's."""
+    from pytest_rlk.report import write_report
+    from pytest_rlk.table import backend_lines
+
+    run = _one_tier_run([{"logp_max_abs_err": 1e-7}] * 3)
+    for test, backend in zip(run.tests, ("liger/0.8.5", "liger/0.8.5", "rlk-triton/0.1.0")):
+        test.backends = [backend]
+    write_report(run, tmp_path)
+    verdict = (tmp_path / "report.md").read_text().split("## Verdict", 1)[1].split("## ", 1)[0]
+    assert "- kernel backends exercised: liger/0.8.5 (2 tests), rlk-triton/0.1.0 (1 test)\n" in verdict
+    assert backend_lines(run) == ["kernel backends exercised: liger/0.8.5 (2 tests), rlk-triton/0.1.0 (1 test)"]

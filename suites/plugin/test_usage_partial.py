@@ -101,6 +101,8 @@ def test_rlk_help_lists_every_command_and_report_names_the_html(capsys):
         assert f"    {name} " in text, name
     assert "commands: " + ", ".join(commands) in " ".join(text.split())
     assert "report.html" in " ".join(text.split())
+    report_help = " ".join(commands["report"].format_help().split())
+    assert "an A/B directory (rlk e2e run --out DIR)" in report_help  # rlk report DIR takes one
 
 
 def test_the_summary_counts_what_m_deselected(rlk_pytester):
@@ -135,3 +137,15 @@ def test_a_signal_while_the_run_finishes_is_noted_not_raised():
         restored = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGTERM, outer)
     assert restored == before
+
+
+def test_a_usage_error_found_while_collecting_leaves_no_run(rlk_pytester):
+    """pytest finds a missing path only as it collects, after the run directory exists: the
+    directory goes again, as no test reached it."""
+    rlk_pytester.makepyfile(**{"suites/op/test_one": ONE_TEST})
+    result = rlk_pytester.runpytest("--rlk-tier=op", "suites/op/test_no_such_file.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*not found: *test_no_such_file.py*"])
+    runs = rlk_pytester.path / ".rlk" / "runs"
+    assert not runs.exists() or not [p for p in runs.iterdir() if p.name != "latest"]
+    assert "run status:" not in result.stdout.str()  # no summary of a run that is not there
