@@ -172,13 +172,14 @@ def run_arm(case: CapacityCase, arm: capacity_arms.Arm, device: torch.device, *,
 # The run report draws a line per arm through the metrics tagged ``curve`` (pytest_rlk.report_data:
 # ``curve`` the chart, ``curve_x`` / ``curve_y`` its axes, ``curve_at`` the point's x, ``arm`` the line).
 CURVE_X = "tokens per micro-batch"
-GIB = 2**30
 
 
-def memory_axis(device: torch.device) -> str:
+def memory_unit(device: torch.device) -> tuple[str, float, str]:
+    """(unit, bytes per unit, the y axis) of the memory a probe records: on CUDA the allocator's
+    whole peak in GiB; on CPU the MemoryCap stand-in's peak above the model and optimizer, in MiB."""
     if device.type == "cuda":
-        return "peak memory [GiB] (CUDA allocator, all of it)"
-    return "peak memory [GiB] (CPU cap stand-in: tensor bytes above the model and optimizer)"
+        return "GiB", 2.0**30, "peak memory [GiB]"
+    return "MiB", 2.0**20, "peak memory [MiB] above resident (CPU cap stand-in)"
 
 
 def record(rlk_metrics, found: ArmCapacity, device: torch.device, *, gate: bool) -> None:
@@ -194,10 +195,10 @@ def record(rlk_metrics, found: ArmCapacity, device: torch.device, *, gate: bool)
                        tags={**tags, "smallest_failing": str(search.smallest_failing),
                              "bounded_by_limit": str(search.bounded_by_limit)})
     curve = {"curve": f"capacity {found.case}", "curve_x": CURVE_X}
-    memory_y = memory_axis(device)
+    unit, per_unit, memory_y = memory_unit(device)
     for probe in search.fitted():
         peak = probe.measured["peak_bytes"] if device.type == "cuda" else probe.measured["peak_extra_bytes"]
-        rlk_metrics.record(f"{found.arm}_probe_T{probe.tokens}_peak_gib", peak / GIB, unit="GiB",
+        rlk_metrics.record(f"{found.arm}_probe_T{probe.tokens}_peak_{unit.lower()}", peak / per_unit, unit=unit,
                            direction="lower_is_better", space="memory", gate=False,
                            tags={**tags, **curve, "curve_y": memory_y, "curve_at": str(probe.measured["tokens"])})
     for tokens, m in sorted(found.measured.items()):
@@ -206,12 +207,16 @@ def record(rlk_metrics, found: ArmCapacity, device: torch.device, *, gate: bool)
                            direction="higher_is_better", space="throughput", gate=gate and at == "largest",
                            tags={**tags, **curve, "curve_y": "tokens/s (median step)", "curve_at": str(m.tokens)})
         peak = m.peak_bytes if m.peak_bytes is not None else m.peak_extra_bytes
-        rlk_metrics.record(f"{found.arm}_peak_gib_at_{at}", peak / GIB, unit="GiB", direction="lower_is_better",
+        rlk_metrics.record(f"{found.arm}_peak_{unit.lower()}_at_{at}", peak / per_unit, unit=unit,
+                           direction="lower_is_better",
                            space="memory", gate=False, tags={**tags, "tokens": str(m.tokens)})
         if at == "largest":
             for stage, ms in m.stages_ms.items():
                 rlk_metrics.record(f"{found.arm}_{stage}_ms_at_largest", ms, unit="ms", direction="lower_is_better",
                                    space="time", gate=False, tags={**tags, "module": stage, "tokens": str(m.tokens)})
+    for part, nbytes in found.resident.items():  # where the memory every probe starts from goes
+        rlk_metrics.record(f"{found.arm}_resident_{part}_{unit.lower()}", nbytes / per_unit, unit=unit,
+                           direction="lower_is_better", space="memory", gate=False, tags=tags)
     for tokens, why in found.unmeasured.items():
         rlk_metrics.record(f"{found.arm}_out_of_memory_when_measured_T{tokens}", 1.0, direction="lower_is_better",
                            space="count", gate=False, tags={**tags, "why": why})

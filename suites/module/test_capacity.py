@@ -2,13 +2,13 @@
 skip on a CPU.
 
 The CPU form: a tiny Qwen3 (capacity_models.TINY_SPEC: vocab 1024 against hidden 32, so the logits
-dominate a step's memory, as at Qwen3's 151936 x 1024) under a 3 MiB ``MemoryCap`` (the CPU
+dominate a step's memory, as at Qwen3's 151936 x 1024) under a ``MemoryCap`` (the CPU
 stand-in for the HBM limit). vime's path (the fp32 reference of its math: fp32 logits, their
 response rows copied, log-softmax, its gradient [R, V]) holds several [T, V] fp32 tensors at once;
 ``linear_logp`` holds at most its workspace of the logits, kept within its budget, and no [T, V]
-gradient. On one 2-core CPU the search found 88 tokens for vime's path and 288 for
-``linear_logp`` (3.3x); the test asserts that ``linear_logp`` fits more, and that each search ends
-between a size that fit and one that did not, within 10%.
+gradient. Under a 1.5 MiB cap the search found 48 tokens for vime's path and 128 for
+``linear_logp`` (2.7x; 2026-12-07, torch 2.13 CPU); the test asserts that ``linear_logp`` fits
+more, and that each search ends between a size that fit and one that did not, within 10%.
 """
 
 from __future__ import annotations
