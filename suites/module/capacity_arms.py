@@ -82,7 +82,7 @@ def make_micro_batch(tokens: int, seq_len: int, vocab: int, device: torch.device
     samples = range(rows)
     batch = standin.packed_batch_standin(
         [ids[i, :prompt] for i in samples], [ids[i, prompt:] for i in samples],
-        old_logp=[lp() for _ in samples], ref_logp=[lp() for _ in samples],
+        old_logp=[lp() for _ in samples], ref_logp=[lp() for _ in samples], rollout_logp=[lp() for _ in samples],
         advantages=[torch.full((response,), float(torch.randn((), generator=gen))) for _ in samples])
     batch = {k: [t.to(device) for t in v] if isinstance(v, list) and v and isinstance(v[0], torch.Tensor)
              else v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

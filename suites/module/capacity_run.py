@@ -112,9 +112,13 @@ def _steps_at(case: CapacityCase, model, optimizer, arm, device, tokens: int, st
     start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     walls = []
     with cap if cap is not None else contextlib.nullcontext():
-        mb = capacity_arms.make_micro_batch(tokens, case.seq_len, case.spec.vocab_size, device)
-        for _ in range(1 + steps):
-            walls.append(one_step(model, optimizer, arm, mb, device))
+        try:
+            mb = capacity_arms.make_micro_batch(tokens, case.seq_len, case.spec.vocab_size, device)
+            for _ in range(1 + steps):
+                walls.append(one_step(model, optimizer, arm, mb, device))
+        except BaseException:
+            optimizer.zero_grad(set_to_none=True)  # a backward cut short leaves gradients behind
+            raise
         actual = mb.tokens
         del mb
     if device.type == "cuda":
