@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -163,11 +164,10 @@ def run_arm(case: CapacityCase, arm: capacity_arms.Arm, device: torch.device, *,
                 unmeasured[tokens] = result.out_of_memory
         for probe in search.probes:  # the memory each probe reached (its step time is a first call)
             probe.measured.pop("walls", None)
-        del model, optimizer
+        del model, optimizer, probe_once
+    release_memory(device)  # the next arm starts from an empty device
     found = ArmCapacity(arm.name, arm.label, case.label, search, measured, unmeasured, resident)
     if out_dir is not None:
-        import json
-
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"capacity-{case.label}-{arm.name}.json").write_text(json.dumps(found.summary(), indent=1))
     return found
