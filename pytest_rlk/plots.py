@@ -9,6 +9,8 @@ are named in the report, their values in ``metrics.csv``).
   the legend beside the axes with the cases' full names;
 - time breakdown: per case and arm, the parts of a step (time metrics tagged ``module``) stacked,
   the whole step (module ``step``/``total``) a black mark beside them, never stacked on its parts;
+- curves: one line per arm through points gathered over the run's tests (memory and tokens/s
+  against the tokens of a micro-batch), one chart per curve and y axis;
 - other series, and the benchmark times (log scale).
 
 A chart whose values are all 0 is not drawn: the report says so in a line.
@@ -54,7 +56,8 @@ ARMS = "A/B arms"
 TIME = "Time breakdown"
 SERIES = "Series over steps"
 PERFORMANCE = "Benchmark times"
-SECTIONS = (MARGINS, PERFORMANCE, ARMS, TIME, SERIES)
+CURVES = "Curves by arm"
+SECTIONS = (MARGINS, PERFORMANCE, CURVES, ARMS, TIME, SERIES)
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,34 @@ def _plan_time_breakdown(run: RunRecord, out_dir: Path) -> list[_Planned | Chart
     return [_Planned(TIME, out_dir / "time_breakdown.png", caption, lambda p: plot_time_breakdown(found, p))]
 
 
+# -- curves ----------------------------------------------------------------------------------
+
+def plot_curves(title: str, xlabel: str, ylabel: str, lines: dict[str, list[tuple[float, float]]], path: Path) -> Path:
+    """One line per arm through its (x, y) points; both axes log scale where the x values span
+    more than 8x (sizes found by doubling)."""
+    fig = Figure(figsize=(AXES_IN, 3.4))
+    ax = fig.add_subplot()
+    for k, (arm, points) in enumerate(lines.items()):
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="ox+.sd"[k % 6], label=_wrapped(arm),
+                color=ARM_COLORS[k % len(ARM_COLORS)] if k < len(ARM_COLORS) else f"C{k}")
+    xs = [x for points in lines.values() for x, _ in points if x > 0]
+    if xs and max(xs) / min(xs) > 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(_short(ylabel, 48), fontsize="small")
+    ax.set_title(_short(title, 90), fontsize="medium")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    _layout(fig, ax, label_chars=8, legend_chars=_legend_chars(ax))
+    return _save(fig, path)
+
+
+def _plan_curves(data: ReportData, out_dir: Path) -> list[_Planned]:
+    return [_Planned(CURVES, out_dir / f"curve_{_slug(curve)}_{_slug(y)[:40]}.png",
+                     f"{curve}: {y} against {x}, one line per arm",
+                     lambda p, curve=curve, x=x, y=y, lines=lines: plot_curves(curve, x, y, lines, p))
+            for (curve, x, y), lines in data.curves.items()]
+
+
 # -- everything else ---------------------------------------------------------------------------
 
 def _plan_plain_series(data: ReportData, out_dir: Path) -> list[_Planned | Chart]:
@@ -390,7 +421,8 @@ def plot_run(run: RunRecord, out_dir: Path, *, data: ReportData | None = None,
         old.unlink()
     data = data if data is not None else report_data(run)
     margins, notes = _plan_margins(data, out_dir)
-    planned: list[_Planned | Chart] = [*margins, *notes, *_plan_performance(run, out_dir), *_plan_arms(data, out_dir),
+    planned: list[_Planned | Chart] = [*margins, *notes, *_plan_performance(run, out_dir), *_plan_curves(data, out_dir),
+                                       *_plan_arms(data, out_dir),
                                        *_plan_time_breakdown(run, out_dir), *_plan_plain_series(data, out_dir)]
     planned.sort(key=lambda c: SECTIONS.index(c.section))
     charts: list[Chart] = []

@@ -8,6 +8,9 @@ uses it too).
 - series: other series, one chart per name (all-zero ones are named, not drawn);
 - single values: every other scalar (errors without a tolerance included), one table row per
   metric name; the benchmark timings go to the roofline table (``pytest_rlk.performance``);
+- curves: scalars tagged ``curve`` (the chart), ``curve_x`` / ``curve_y`` (its axes), ``curve_at``
+  (the point's x) and ``arm`` (its line), gathered over the run's tests: one chart per curve and
+  y axis, one line per arm (the capacity benchmark's memory and tokens/s against the tokens);
 - injected faults: every metric of a test marked ``injected_fault``, apart from all of the above.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pytest_rlk.compare import scalar_value
 from pytest_rlk.performance import collect
 from pytest_rlk.schema import MetricRecord, RunRecord, TestRecord
 
+CURVE_TAGS = ("curve", "curve_x", "curve_y", "curve_at", "arm")
 WHOLE_MODULES = ("step", "total")  # a module time that is the sum of the others: never stacked on them
 INJECTED = "injected fault (expected to fail its gate)"
 
@@ -92,6 +96,8 @@ class ReportData:
     arm_scalars: list[tuple[str, str, dict[str, float]]] = field(default_factory=list)  # (case, name, {arm: value})
     series: dict[str, list[tuple[str, MetricRecord]]] = field(default_factory=dict)
     values: list[ValueRow] = field(default_factory=list)
+    # (curve, x axis, y axis) -> {arm: [(x, y), ...] sorted by x}
+    curves: dict[tuple[str, str, str], dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
     injected: list[TestRecord] = field(default_factory=list)
 
 
@@ -113,11 +119,16 @@ def report_data(run: RunRecord) -> ReportData:
     arm_scalars: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     series: dict[str, list] = defaultdict(list)
     values: dict[str, list[tuple[str, MetricRecord]]] = defaultdict(list)
+    curves: dict[tuple[str, str, str], dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for test in run.tests:
         if test.injected_fault:
             data.injected.append(test)
             continue
         for m in test.metrics:
+            if not m.is_series and all(tag in m.tags for tag in CURVE_TAGS):
+                key = (m.tags["curve"], m.tags["curve_x"], m.tags["curve_y"])
+                curves[key][m.tags["arm"]].append((float(m.tags["curve_at"]), float(m.value)))
+                continue
             split = arm_split(m)
             if "module" in m.tags and m.space == "time" and (split is None or m.tags["module"] not in WHOLE_MODULES):
                 continue  # the time breakdown's (pytest_rlk.plots.time_breakdown)
@@ -140,6 +151,7 @@ def report_data(run: RunRecord) -> ReportData:
             series[name] += [(f"{case} / {arm}", m) for case, arm, m in rows]
     data.arm_scalars = [(case, name, arms) for (case, name), arms in sorted(arm_scalars.items())]
     data.series = dict(sorted(series.items()))
+    data.curves = {key: {arm: sorted(points) for arm, points in arms.items()} for key, arms in sorted(curves.items())}
     data.values = [ValueRow(name, rows[0][1].space, rows[0][1].unit,
                             [(case, float(scalar_value(m))) for case, m in rows])
                    for name, rows in sorted(values.items())]

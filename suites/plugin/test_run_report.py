@@ -267,3 +267,30 @@ def test_the_verdict_counts_each_backends_tests_as_the_summary_does(tmp_path):
     verdict = (tmp_path / "report.md").read_text().split("## Verdict", 1)[1].split("## ", 1)[0]
     assert "- kernel backends exercised: liger/0.8.5 (2 tests), rlk-triton/0.1.0 (1 test)\n" in verdict
     assert backend_lines(run) == ["kernel backends exercised: liger/0.8.5 (2 tests), rlk-triton/0.1.0 (1 test)"]
+
+
+def test_curves_gather_one_line_per_arm_over_the_runs_tests(tmp_path):
+    """Scalars tagged ``curve`` / ``curve_x`` / ``curve_y`` / ``curve_at`` / ``arm`` (the capacity
+    benchmark's, one test per arm) become one chart per curve and y axis with a line per arm, its
+    points sorted by x, and leave the single-value table."""
+    from pytest_rlk.recorder import MetricRecorder
+    from pytest_rlk.report import write_report
+    from pytest_rlk.report_data import report_data
+    from pytest_rlk.schema import TestRecord
+
+    run = _one_tier_run([])
+    for arm, points in (("vime", {4096: 3.0, 16384: 9.0}), ("rlk_linear_logp", {65536: 12.0, 4096: 2.0})):
+        rec = MetricRecorder(f"suites/module/bench_capacity.py::test_capacity[{arm}]", tier="module", artifact_root=None)
+        for tokens, gib in points.items():
+            rec.record(f"{arm}_T{tokens}_peak_gib", gib, unit="GiB", direction="lower_is_better", space="memory",
+                       gate=False, tags={"arm": arm, "curve": "capacity qwen3_0p6b", "curve_x": "tokens",
+                                         "curve_y": "peak memory [GiB]", "curve_at": str(tokens)})
+        run.tests.append(TestRecord(nodeid=rec.nodeid, case=rec.case, tier="module", outcome="passed",
+                                    metrics=list(rec.metrics.values())))
+    data = report_data(run)
+    assert data.curves == {("capacity qwen3_0p6b", "tokens", "peak memory [GiB]"): {
+        "vime": [(4096.0, 3.0), (16384.0, 9.0)], "rlk_linear_logp": [(4096.0, 2.0), (65536.0, 12.0)]}}
+    assert not data.values and not data.arm_scalars
+    write_report(run, tmp_path)
+    (png,) = tmp_path.glob("curve_*.png")
+    assert f"({png.name})" in (tmp_path / "report.md").read_text()
