@@ -59,7 +59,7 @@ def test_capacity(model, recompute, arm_name, request, rlk_metrics, rlk_progress
     rlk_metrics.set_case(f"capacity-{case.label}-{arm.name}")
     device = torch.device("cuda")
     with rlk_progress.step(f"{arm.name} on {case.label}: largest micro-batch, then tokens/s"):
-        found = capacity_run.run_arm(case, arm, device, out_dir=rlk_metrics.artifact_dir)
+        found = capacity_run.run_arm(case, arm, device, out_dir=rlk_metrics.artifact_dir, progress=rlk_progress)
     capacity_run.record(rlk_metrics, found, device, gate=arm.name.startswith("rlk"))
     fits = ", ".join(f"{t}: {m.tokens_per_s:.0f} tok/s, {(m.peak_bytes or 0) / 2**30:.1f} GiB"
                      for t, m in sorted(found.measured.items()))

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +137,16 @@ def _measured(found: dict[str, Any], steps: int) -> Measured:
                     found["peak_bytes"])
 
 
+def _say_nothing(message: str) -> None:
+    return None
+
+
 def run_arm(case: CapacityCase, arm: capacity_arms.Arm, device: torch.device, *,
-            dtype: torch.dtype | None = None, out_dir: Path | None = None) -> ArmCapacity:
+            dtype: torch.dtype | None = None, out_dir: Path | None = None,
+            progress: Callable[[str], None] = _say_nothing) -> ArmCapacity:
     """The search and the measurements of ``arm`` on a fresh model and optimizer (see the module
-    docstring); the arm's kernel switches hold throughout."""
+    docstring); the arm's kernel switches hold throughout. ``progress`` hears one line per probe
+    and per measured size (a probe of a 4B model takes seconds; a search, minutes)."""
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with capacity_arms.arm_environment(arm):
         model = capacity_models.build_model(case.spec, device=device, dtype=dtype, recompute=case.recompute)
@@ -148,7 +155,9 @@ def run_arm(case: CapacityCase, arm: capacity_arms.Arm, device: torch.device, *,
         release_memory(device)
 
         def probe_once(tokens: int) -> Probe:
-            return run_probe(lambda n: _steps_at(case, model, optimizer, arm, device, n, 0), tokens, device)
+            result = run_probe(lambda n: _steps_at(case, model, optimizer, arm, device, n, 0), tokens, device)
+            progress(f"{arm.name}: {tokens} tokens " + ("fit" if result.fits else "out of memory"))
+            return result
 
         search = largest_fitting(probe_once, start=case.start, limit=case.limit, rel_tol=case.rel_tol,
                                  quantum=case.quantum)
@@ -158,6 +167,7 @@ def run_arm(case: CapacityCase, arm: capacity_arms.Arm, device: torch.device, *,
         measured, unmeasured = {}, {}
         for tokens in sizes:
             result = run_probe(lambda n: _steps_at(case, model, optimizer, arm, device, n, case.steps), tokens, device)
+            progress(f"{arm.name}: measured at {tokens} tokens" + ("" if result.fits else " (out of memory)"))
             if result.fits:  # a size that fit in the search can run out at a second try (fragmentation)
                 measured[tokens] = _measured(result.measured, case.steps)
             else:

@@ -150,12 +150,15 @@ def test_cpu_capacity_linear_logp_fits_more_tokens_than_vimes_logits_path(rlk_me
 
     case = capacity_run.CapacityCase(capacity_models.TINY_SPEC, False, seq_len=32, start=16, limit=4096,
                                      common_sizes=(16,), quantum=8, steps=1, cpu_cap_bytes=CPU_CAP_BYTES)
-    found = {}
+    found, said = {}, []
     for name in (capacity_arms.VIME_PATH, "rlk_linear_logp", "rlk_logp_ratio_kl"):
         arm = capacity_arms.arm_named(name)
         with rlk_progress.step(f"{arm.name}: the largest micro-batch under a {CPU_CAP_BYTES / 2**20:g} MiB cap"):
-            found[name] = capacity_run.run_arm(case, arm, CPU, out_dir=rlk_metrics.artifact_dir)
+            found[name] = capacity_run.run_arm(case, arm, CPU, out_dir=rlk_metrics.artifact_dir, progress=said.append)
         capacity_run.record(rlk_metrics, found[name], CPU, gate=False)  # CPU: recorded, not gated
+    # one line per probe and per measured size: a GPU search takes minutes
+    assert len(said) == sum(len(a.search.probes) + len(a.measured) + len(a.unmeasured) for a in found.values())
+    assert "rlk_linear_logp: 16 tokens fit" in said and any(line.endswith("out of memory") for line in said)
     for name, arm in found.items():
         search = arm.search
         assert search.largest is not None and not search.bounded_by_limit, (name, search.probes)
