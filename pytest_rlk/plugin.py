@@ -357,7 +357,9 @@ def pytest_make_collect_report(collector):
     pytest's count: the run records it too, so the summary's skips add up to pytest's."""
     report = yield
     state = collector.config.stash.get(STATE, None)
-    if report.skipped and report.nodeid and state is not None and state.writer is not None:
+    if report.skipped and report.nodeid and state is not None and collector.config.option.collectonly:
+        state.collect_only_skips.append((report.nodeid, records.skip_reason_of(report)))
+    elif report.skipped and report.nodeid and state is not None and state.writer is not None:
         state.writer.add(TestRecord(
             nodeid=report.nodeid, case=case_from_nodeid(report.nodeid),
             tier=markers.tier_of(Path(report.nodeid), ()), outcome="skipped",
@@ -385,6 +387,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     commands to report are the last lines above pytest's count."""
     result = yield
     state = config.stash.get(STATE, None)
+    if state is not None and state.collect_only_skips:  # --co makes no run: say what was not collected
+        terminalreporter.section("rlk")
+        for nodeid, why in state.collect_only_skips:
+            terminalreporter.write_line(f"skipped at collection: {nodeid}: {why}")
     if state is None or state.run is None:
         return result
     run = state.run

@@ -360,3 +360,15 @@ def test_a_path_option_pytest_took_for_its_rootdir_is_a_usage_error(rlk_pytester
                                  f"write --rlk-artifacts={outside}"])
     rlk_pytester.runpytest(f"--rlk-artifacts={outside}").assert_outcomes(passed=1)
     rlk_pytester.runpytest("--rlk-artifacts", str(rlk_pytester.path / "runs")).assert_outcomes(passed=1)  # not there yet
+
+
+def test_collect_only_names_what_a_tier_skipped_at_collection(rlk_pytester):
+    """`pytest --co` makes no run: a tier whose conftest skips (torch missing) says why, not only
+    `no tests collected`."""
+    rlk_pytester.makepyfile(**{
+        "suites/op/conftest": "import pytest\npytest.importorskip('rlk_no_such_module', reason='this tier needs it')\n",
+        "suites/op/test_o": TEST_BODY.format(name="o"),
+    })
+    result = rlk_pytester.runpytest("--strict-markers", "--co")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.stdout.fnmatch_lines(["*= rlk =*", "skipped at collection: suites/op: this tier needs it"])
