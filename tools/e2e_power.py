@@ -36,7 +36,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pytest_rlk.e2e.gates import gate_lane  # noqa: E402
 from pytest_rlk.e2e.outcome import ABRun, ABRunError, ExtraArm, gate_arms, load_ab_run  # noqa: E402
 from pytest_rlk.e2e.progress import LineProgress  # noqa: E402
 from pytest_rlk.e2e.runner import run_ab  # noqa: E402
@@ -51,12 +50,6 @@ DEFAULT_FAULTS = {"logp_bias": [1e-3, 3e-3, 1e-2], "logp_grad_scale_even": [-0.1
 # the lanes where each fault is looked for (a speed or memory fault has no replay-lane gate)
 FAULT_LANES = {"logp_bias": ("live",), "logp_grad_scale_even": ("replay", "live"),
                "logp_grad_sign_even": ("replay", "live"), "logp_slowdown": ("live",), "logp_extra_buffer": ("live",)}
-
-
-def variant(spec: ABSpec, label: str, env: dict[str, str]) -> ABSpec:
-    raw = spec.model_dump(mode="json")
-    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} ({label})", "env": env}
-    return ABSpec.model_validate(raw)
 
 
 def fault_key(name: str, size: float) -> str:
@@ -83,75 +76,50 @@ def reward_rise(series: dict[str, list[float]], n: int = 4) -> float | None:
     return sum(values[-n:]) / n - sum(values[:n]) / n
 
 
-def reseeded(spec: ABSpec, role: str, label: str, offset: int) -> ABSpec:
-    raw = spec.model_dump(mode="json")
-    raw["seeds"]["rollout_seed"] += offset
-    raw["arms"][role] = {**raw["arms"][role], "label": f"{getattr(spec.arms, role).label} ({label})"}
-    return ABSpec.model_validate(raw)
-
-
 def plan_extras(spec: ABSpec, aa: int, chosen: dict[str, list[float]]) -> list[ExtraArm]:
     extras = []
     for lane in spec.lanes:
         for i in range(1, aa + 1):
             offset = i if lane == "live" else 0
-            extras.append(ExtraArm(f"aa{i}", reseeded(spec, "kernels", f"A/A rerun {i}", offset), lane=lane))
+            extras.append(ExtraArm(f"aa{i}", spec.arm_variant("kernels", f"A/A rerun {i}", rollout_seed_offset=offset),
+                                   lane=lane))
             if lane == "live":
-                extras.append(ExtraArm(f"seed{i}", reseeded(spec, "baseline", f"rollout seed +{i}", i),
-                                       role="baseline", lane=lane))
+                extras.append(ExtraArm(f"seed{i}", spec.arm_variant("baseline", f"rollout seed +{i}",
+                                                                    rollout_seed_offset=i), role="baseline", lane=lane))
         for name, sizes in chosen.items():
             if lane not in FAULT_LANES[name]:
                 continue
             for size in sizes:
-                env = {"VIME_RL_KERNEL_BACKEND": faults.DOTTED_PATH, faults.FAULT_ENV: f"{name}={size!r}"}
-                extras.append(ExtraArm(fault_key(name, size), variant(spec, f"fault {name} {size:g}", env), lane=lane))
+                extras.append(ExtraArm(fault_key(name, size), spec.arm_variant(
+                    "kernels", f"fault {name} {size:g}", env=faults.arm_env(name, size)), lane=lane))
     return extras
 
 
 def power_rows(spec: ABSpec, run: ABRun, aa: int, chosen: dict[str, list[float]]) -> tuple[list[dict], list[dict]]:
     """(gate rows, reward-rise rows) of the arms `run` holds; an arm missing from it is a row
-    saying so."""
+    saying so (`passed` None)."""
     rows, rises = [], []
+
+    def gated(lane: str, arm: str, kind: str, key: str, against: str, size: str = "") -> None:
+        row = {"lane": lane, "arm": arm, "kind": kind, "size": size, "passed": None,
+               "failed": ["(arm did not finish)"], "worst_margin": 0.0}
+        if (lane, key) in run.arms and (lane, against) in run.arms:
+            verdict = gate_arms(run, lane, kernels_key=key, baseline_key=against)
+            row["passed"] = verdict.passed
+            row["failed"], row["worst_margin"] = margins(verdict)
+        rows.append(row)
+
     for lane in spec.lanes:
-        if (lane, "baseline") not in run.arms or (lane, "kernels") not in run.arms:
-            rows.append({"lane": lane, "arm": "the pair", "kind": "A/A", "size": "", "passed": False,
-                         "failed": ["(the baseline or kernel arm did not finish)"], "worst_margin": 0.0})
-            continue
-        pair = gate_arms(run, lane)
-        failed, worst = margins(pair)
-        rows.append({"lane": lane, "arm": "kernels vs baseline (the A/B)", "kind": "A/A", "size": "",
-                     "passed": pair.passed, "failed": failed, "worst_margin": worst})
-        kern = run.arms[(lane, "kernels")]
-        for key in ["baseline", "kernels", *(f"seed{i}" for i in range(1, aa + 1)), *(f"aa{i}" for i in range(1, aa + 1))]:
-            if lane == "live" and (lane, key) in run.arms:
-                rises.append({"lane": lane, "arm": run.arms[(lane, key)].label,
-                              "rise": reward_rise(run.arms[(lane, key)].series)})
+        gated(lane, "kernels vs baseline (the A/B)", "A/A", "kernels", "baseline")
         for i in range(1, aa + 1):
-            other = run.arms.get((lane, f"aa{i}"))
-            if other is None:
-                rows.append({"lane": lane, "arm": f"A/A rerun {i} vs kernels", "kind": "A/A", "size": "",
-                             "passed": False, "failed": ["(arm did not finish)"], "worst_margin": 0.0})
-                continue
-            verdict = gate_lane(kern.series, other.series, case=spec.case, platform=run.platform, lane=lane,
-                                skip_warmup=spec.window.skip_warmup_rollouts, gates=spec.gates,
-                                baseline_label=kern.label, kernels_label=other.label, bands=spec.bands,
-                                replay_horizon=spec.window.replay_horizon)
-            failed, worst = margins(verdict)
-            rows.append({"lane": lane, "arm": f"A/A rerun {i} vs kernels", "kind": "A/A", "size": "",
-                         "passed": verdict.passed, "failed": failed, "worst_margin": worst})
+            gated(lane, f"A/A rerun {i} vs kernels", "A/A", f"aa{i}", "kernels")
         for name, sizes in chosen.items():
-            if lane not in FAULT_LANES[name]:
-                continue
-            for size in sizes:
-                key = fault_key(name, size)
-                if (lane, key) not in run.arms:
-                    rows.append({"lane": lane, "arm": name, "kind": "fault", "size": f"{size:g}", "passed": None,
-                                 "failed": ["(arm did not finish)"], "worst_margin": 0.0})
-                    continue
-                verdict = gate_arms(run, lane, kernels_key=key)
-                failed, worst = margins(verdict)
-                rows.append({"lane": lane, "arm": name, "kind": "fault", "size": f"{size:g}",
-                             "passed": verdict.passed, "failed": failed, "worst_margin": worst})
+            for size in sizes if lane in FAULT_LANES[name] else ():
+                gated(lane, name, "fault", fault_key(name, size), "baseline", f"{size:g}")
+        if lane == "live":
+            keys = ["baseline", "kernels", *(f"seed{i}" for i in range(1, aa + 1)), *(f"aa{i}" for i in range(1, aa + 1))]
+            rises += [{"lane": lane, "arm": run.arms[(lane, k)].label, "rise": reward_rise(run.arms[(lane, k)].series)}
+                      for k in keys if (lane, k) in run.arms]
     return rows, rises
 
 
@@ -214,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "power.json").write_text(json.dumps({"case": spec.case, "platform": run.platform, "rows": rows,
                                                 "reward_rise": rises}, indent=1))
     (out / "power.md").write_text(text + "\n")
-    return 1 if any(r["kind"] == "A/A" and not r["passed"] for r in rows) else 0
+    return 1 if any(r["kind"] == "A/A" and r["passed"] is not True for r in rows) else 0
 
 
 if __name__ == "__main__":

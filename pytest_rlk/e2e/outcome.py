@@ -128,14 +128,16 @@ def _peak(outcome: ArmOutcome) -> dict[str, float]:
     return {m.PEAK_VRAM: max(peaks.values())} if peaks else {}
 
 
-def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels") -> LaneVerdict:
-    """Gate `kernels_key` against the baseline of `lane` (engine-agnostic gates, `gates.gate_lane`).
+def gate_arms(run: ABRun, lane: Lane | None = None, kernels_key: str = "kernels",
+              baseline_key: str = "baseline") -> LaneVerdict:
+    """Gate `kernels_key` against `baseline_key` of `lane` (engine-agnostic gates, `gates.gate_lane`);
+    `baseline_key="kernels"` gates an A/A rerun against the kernel arm.
 
     A kernel-side arm planned with fewer rollouts than the baseline (an extra arm's variant) is
     compared with the baseline's first rollouts: same seeds, so the same steps.
     """
     lane = lane or run.lanes()[-1]
-    base, kern = run.arms[(lane, "baseline")], run.arms[(lane, kernels_key)]
+    base, kern = run.arms[(lane, baseline_key)], run.arms[(lane, kernels_key)]
     baseline_series = base.series
     planned = kern.spec.hyperparameters.num_rollout
     if planned < base.spec.hyperparameters.num_rollout:

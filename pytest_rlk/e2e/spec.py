@@ -312,6 +312,19 @@ class ABSpec(_Frozen):
     def arm_label(self, role: ArmRole) -> str:
         return getattr(self.arms, role).label
 
+    def arm_variant(self, role: ArmRole, note: str, *, env: dict[str, str] | None = None,
+                    rollout_seed_offset: int = 0, num_rollout: int | None = None) -> ABSpec:
+        """This spec for an extra arm (`ExtraArm`): the `role` arm labelled "<label> (<note>)", with
+        `env` as its declared environment (None: its own), its rollout seed moved by
+        `rollout_seed_offset`, and `num_rollout` rollouts (None: the spec's)."""
+        raw = self.model_dump(mode="json")
+        arm = raw["arms"][role]
+        raw["arms"][role] = {**arm, "label": f"{arm['label']} ({note})", **({} if env is None else {"env": env})}
+        raw["seeds"]["rollout_seed"] += rollout_seed_offset
+        if num_rollout is not None:
+            raw["hyperparameters"]["num_rollout"] = num_rollout
+        return ABSpec.model_validate(raw)
+
 
 def load_spec(path: str | Path) -> ABSpec:
     """Load and validate a spec file; errors name the file and the offending field."""

@@ -227,6 +227,11 @@ def parse_fault(text: str) -> tuple[str, float]:
     return name, value
 
 
+def arm_env(name: str, size: float) -> dict[str, str]:
+    """The environment that makes another process's kernel backend this fault (an e2e arm's)."""
+    return {"VIME_RL_KERNEL_BACKEND": DOTTED_PATH, FAULT_ENV: f"{name}={size!r}"}
+
+
 def make_backend() -> FaultyTritonBackend:
     """The dotted-path factory: the fault ``RLK_FAULT=NAME=SIZE`` names (set by whoever injects it)."""
     text = settings.FAULT.get() or ""

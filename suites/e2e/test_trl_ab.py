@@ -95,11 +95,8 @@ def _assert_real_kernel_arm(run: ABRun, key: str = "kernels", backend: str = "rl
 
 
 def _perturbed_variant(spec: ABSpec, rollouts: int = PERTURB_ROLLOUTS) -> ABSpec:
-    raw = spec.model_dump(mode="json")
-    raw["hyperparameters"]["num_rollout"] = rollouts
-    label = f"{spec.arms.kernels.label} (test-only log-prob bias {perturbed_backend.LOGP_BIAS:g})"
-    raw["arms"]["kernels"] = {"label": label, "env": PERTURB_ENV}
-    return ABSpec.model_validate(raw)
+    return spec.arm_variant("kernels", f"test-only log-prob bias {perturbed_backend.LOGP_BIAS:g}", env=PERTURB_ENV,
+                            num_rollout=rollouts)
 
 
 class _ToTerminal:
@@ -315,11 +312,7 @@ GRAD_FAULT_SIZE = -0.5  # the log-prob's gradient x (1 + size) = x 0.5 on every 
 
 def fault_variant(spec: ABSpec, fault: str, size: float) -> ABSpec:
     """The spec with a kernel arm on an injected fault (pytest_rlk.prove.faults, by dotted path)."""
-    raw = spec.model_dump(mode="json")
-    raw["arms"]["kernels"] = {"label": f"{spec.arms.kernels.label} (injected fault {fault}={size:g})",
-                              "env": {"VIME_RL_KERNEL_BACKEND": faults.DOTTED_PATH,
-                                      faults.FAULT_ENV: f"{fault}={size!r}"}}
-    return ABSpec.model_validate(raw)
+    return spec.arm_variant("kernels", f"injected fault {fault}={size:g}", env=faults.arm_env(fault, size))
 
 
 @pytest.fixture(scope="module")
