@@ -45,6 +45,11 @@ ROWS_PER_CHART = 40
 MARGIN_ROWS = 25
 ROW_IN = 0.24
 ARM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+
+
+def arm_color(k: int) -> str:
+    """The k-th arm's colour: ours, then matplotlib's cycle (distinct beyond four arms)."""
+    return ARM_COLORS[k] if k < len(ARM_COLORS) else f"C{k}"
 LABEL_CHARS = 56
 TICK_CHARS = 80  # a y tick label: its room beside the axes is made to fit (_layout)
 LEGEND_CHARS = 44
@@ -226,7 +231,7 @@ def plot_arms_over_steps(lines: Sequence[tuple[str, str, Sequence[float]]], *, s
     for case, arm, values in lines:
         label = arm if len(cases) == 1 else _wrapped(f"{shown[case]} / {arm}")
         k = arms.index(arm)  # later arms thinner, so an arm equal to the first shows inside it
-        ax.plot(range(len(values)), values, marker="ox+."[k % 4], color=ARM_COLORS[k % len(ARM_COLORS)],
+        ax.plot(range(len(values)), values, marker="ox+."[k % 4], color=arm_color(k),
                 linewidth=max(1.0, 3.5 - 1.5 * k), alpha=0.9 if k else 0.6,
                 linestyle=styles[cases.index(case) % len(styles)], label=label)
     _shade_warmup(ax, skip)
@@ -251,7 +256,7 @@ def _grouped_bars(title: str, xlabel: str, rows: list[str], groups: list[str],
     for g, group in enumerate(groups):
         ys = [len(rows) - 1 - r + (len(groups) / 2 - g - 0.5) * height for r in range(len(rows))]
         xs = [values.get((row, group), math.nan) for row in rows]
-        ax.barh(ys, xs, height=height, color=ARM_COLORS[g % len(ARM_COLORS)], label=group)
+        ax.barh(ys, xs, height=height, color=arm_color(g), label=group)
     positive = [v for v in values.values() if v > 0]
     if positive and max(positive) / min(positive) > 100 and all(v >= 0 for v in values.values()):
         ax.set_xscale("log")
@@ -366,7 +371,7 @@ def plot_curves(title: str, xlabel: str, ylabel: str, lines: dict[str, list[tupl
     ax = fig.add_subplot()
     for k, (arm, points) in enumerate(lines.items()):
         ax.plot([x for x, _ in points], [y for _, y in points], marker="ox+.sd"[k % 6], label=_wrapped(arm),
-                color=ARM_COLORS[k % len(ARM_COLORS)] if k < len(ARM_COLORS) else f"C{k}")
+                color=arm_color(k))
     xs = [x for points in lines.values() for x, _ in points if x > 0]
     if xs and max(xs) / min(xs) > 8:
         ax.set_xscale("log", base=2)
