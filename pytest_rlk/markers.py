@@ -26,6 +26,8 @@ MARKERS: dict[str, str] = {
     "e2e": "tier: end-to-end A/B runs",
     "plugin": "tier: the plugin's own tests (suites/plugin: plain-module and pytester tests)",
     "bench": "benchmark (timing) test",
+    "bench_full": "a labelled-variant or long benchmark: a job of its own, selected only by a -m expression "
+                  "that names bench_full (-m h200 or -m bench leaves it out; no -m runs it)",
     "slow": "slow test",
     "vime": "needs a vime checkout (--rlk-vime-root)",
     "vime_fork": "needs a checkout of the RL-Align vime fork (--rlk-vime-fork-root)",
@@ -83,6 +85,12 @@ def marker_expression_names(expression: str) -> list[str]:
             continue
         previous_was_name = False
     return list(dict.fromkeys(names))
+
+
+def leaves_out_bench_full(expression: str | None) -> bool:
+    """Whether a ``-m`` expression leaves the ``bench_full`` tests out: any expression that does not
+    name ``bench_full`` (a platform's nightly, ``-m bench``); without ``-m`` every test runs."""
+    return bool(expression) and "bench_full" not in marker_expression_names(expression)
 
 
 def registered_names(ini_marker_lines: Iterable[str]) -> set[str]:

@@ -203,7 +203,8 @@ def pytest_collection_modifyitems_hardware_marks(config, items):
     """Skips from the tests' own markers, then every test gets the hardware marks of every
     platform it can run on (``markers.runnable_on``), before pytest's ``-m`` filter runs: ``-m
     h100`` on any machine selects what an H100 node runs, and this machine skips what it
-    cannot serve, with the reason."""
+    cannot serve, with the reason. A ``-m`` that does not name ``bench_full`` deselects those tests
+    (``markers.leaves_out_bench_full``)."""
     state = config.stash[STATE]
     ctx = markers.ServeContext(platform=state.platform, vime_root=state.opts.vime_root,
                                model_root=state.opts.model_root)
@@ -213,6 +214,12 @@ def pytest_collection_modifyitems_hardware_marks(config, items):
         for name in markers.runnable_on(own):
             if name not in own:
                 item.add_marker(name)
+    if markers.leaves_out_bench_full(config.option.markexpr):
+        # labelled variants and long benchmarks are a job of their own (-m bench_full)
+        drop = [item for item in items if item.get_closest_marker("bench_full") is not None]
+        if drop:
+            items[:] = [item for item in items if item.get_closest_marker("bench_full") is None]
+            config.hook.pytest_deselected(items=drop)
 
 
 def pytest_collection_modifyitems(config, items):

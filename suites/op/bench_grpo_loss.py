@@ -7,12 +7,15 @@ the work is the same: recorded for the roofline table, never gated). Extra memor
 dlogits tensor; with ``inplace_backward`` none. ``rlk`` is the default path (the one-read cluster
 kernel where it applies), timed as a plain call with default settings (the ids and lengths checked
 by the kernels, no host sync): its wall time gates, its CUDA-graph replay is recorded beside it.
-Labelled variants, never gated: ``rlk_two_read`` the Triton path, ``rlk_inplace`` the in-place
-backward (a two-read path), ``rlk_strict`` the host-side checks (``VIME_RL_KERNEL_CHECK_IDS=strict``),
-``compiled_ops`` the public call under ``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py);
-``*_scaled_grad`` the same calls with the loss scaled before the backward, as vime's
-``loss_function`` scales it for Megatron (``loss * num_microbatches / global_batch_size * dp_size``,
-here 8 / 256): in a training step the gradient reaching the op is not 1. The one-read forward writes
+``rlk_scaled_grad`` is the call a training step makes, gated beside the plain call: the loss scaled
+before the backward, as vime's ``loss_function`` scales it for Megatron (``loss * num_microbatches
+/ global_batch_size * dp_size``, here 8 / 256): in a training step the gradient reaching the op is
+not 1. Labelled variants, never gated, in tests of their own marked ``bench_full`` (a job apart
+from the nightly gate: ``-m bench_full``): ``rlk_two_read`` the Triton path, ``rlk_inplace`` the
+in-place backward (a two-read path), ``rlk_strict`` the host-side checks
+(``VIME_RL_KERNEL_CHECK_IDS=strict``), ``compiled_ops`` the public call under
+``torch.compile(fullgraph=True)`` (suites/op/rlk_compiled.py), and the scaled calls of those and of
+Liger. The one-read forward writes
 dlogits for the gradient the last backward met, so the timed calls (after ``do_bench``'s warm-up,
 whose first backward is a miss) are the steady state of a training loop (Liger's scales its stored
 gradient).
@@ -71,24 +74,93 @@ def _inputs(num_tokens, vocab, dtype):
     return logits, ids, kw
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
-@pytest.mark.parametrize("dtype_name", DTYPES)
-def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, shape):
-    dtype = DTYPES[dtype_name]
+def _case(dtype_name, shape):
+    """(logits with grad, ids, the loss's other inputs, tags, HBM bytes) of one fwd+bwd case."""
     num_tokens, vocab = shape
-    logits, ids, kw = _inputs(num_tokens, vocab, dtype)
+    logits, ids, kw = _inputs(num_tokens, vocab, DTYPES[dtype_name])
     logits.requires_grad_()
     tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}"}
-    bytes_moved = 2 * num_tokens * vocab * dtype_bytes(dtype)
+    return logits, ids, kw, tags, 2 * num_tokens * vocab * dtype_bytes(DTYPES[dtype_name])
+
+
+def _liger_call(logits, kw, ids, grad_scale: float = 1.0):
+    """Liger's ``triton_grpo_loss`` fwd+bwd on the same case ([B, SEQ + 1, V] logits of its own)."""
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    num_tokens, vocab = logits.shape
+    batch = num_tokens // SEQ
+    liger_logits = torch.randn(batch, SEQ + 1, vocab, device="cuda", dtype=logits.dtype).requires_grad_()
+    shaped = {k: kw[k].view(batch, SEQ) for k in ("old_logp", "ref_logp")}
+    liger_ids = ids.view(batch, SEQ)
+    adv = kw["advantages"].view(batch, SEQ)[:, 0].contiguous()
+    mask = kw["loss_mask"].view(batch, SEQ).int()
+
+    def liger():
+        out = triton_grpo_loss(liger_logits, shaped["old_logp"], shaped["ref_logp"], liger_ids, adv, mask,
+                               temperature=1.0, beta=0.01, eps_low=0.2, eps_high=0.28, inplace=False,
+                               loss_type="grpo", reduce=True)
+        loss = out[0] if isinstance(out, tuple) else out
+        return torch.autograd.grad(loss * grad_scale if grad_scale != 1.0 else loss, liger_logits)
+
+    return liger
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_bench_grpo_loss_forward_backward(rlk_metrics, dtype_name, shape):
+    """The nightly gate's cases: the plain call and the training step's call (the loss scaled
+    before the backward), both gated, timed the same way (host-bound cases as the lowest of
+    rounds) with their graph replays beside them; peers torch.compile and Liger in the same run."""
+    logits, ids, kw, tags, bytes_moved = _case(dtype_name, shape)
+    record_limit(rlk_metrics, bytes_moved, tags)
+    host_bound = (dtype_name, shape) in HOST_BOUND_CASES
+
+    def ours():
+        loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    def ours_scaled_grad():
+        loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss * GRAD_SCALE, logits)
+
+    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host=grpo_loss_op._HOST,
+                      host_bound=host_bound)
+    # the call vime's training step makes: gated beside the plain call (its GPU time is the plain
+    # call's; at a host-bound shape the scale's multiply and its backward node add host time)
+    measure(rlk_metrics, f"{OURS}_scaled_grad", ours_scaled_grad, bytes_moved,
+            {**tags, "variant": f"loss x {GRAD_SCALE:g} before the backward (vime's training step)"},
+            gate=True, graph=True, host=grpo_loss_op._HOST, host_bound=host_bound)
+
+    compiled = torch.compile(reference_grpo_loss)
+
+    def peer():
+        loss, _ = compiled(logits, ids, config=CONFIG, **kw)
+        return torch.autograd.grad(loss, logits)
+
+    compiled_ms = measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
+    rlk_metrics.record("speedup_vs_torch_compile", compiled_ms / ours_ms, direction="higher_is_better",
+                       space="ratio", tags=tags, gate=False)
+    if liger_available():
+        liger_ms = measure(rlk_metrics, "liger", _liger_call(logits, kw, ids), bytes_moved, tags)
+        rlk_metrics.record("speedup_vs_liger", liger_ms / ours_ms, direction="higher_is_better", space="ratio",
+                           tags=tags, gate=False)
+
+
+@pytest.mark.bench_full
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_bench_grpo_loss_forward_backward_variants(rlk_metrics, monkeypatch, dtype_name, shape):
+    """The labelled variants of the same cases, never gated (the ``bench_full`` job): the two-read
+    Triton path, the host-side checks, the in-place backward, the compiled public call (plain and
+    scaled) and Liger's scaled call."""
+    logits, ids, kw, tags, bytes_moved = _case(dtype_name, shape)
     record_limit(rlk_metrics, bytes_moved, tags)
 
     def ours():
         loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
         return torch.autograd.grad(loss, logits)
 
-    ours_ms = measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host=grpo_loss_op._HOST,
-                      host_bound=(dtype_name, shape) in HOST_BOUND_CASES)
-    # the two-read Triton path in the same run (what serves GPUs without clusters or nvcc)
+    # the two-read Triton path (what serves GPUs without clusters or nvcc)
     monkeypatch.setenv("RLK_GRPO_ONE_READ", "0")
     measure(rlk_metrics, f"{OURS}_two_read", ours, bytes_moved, tags, memory=False)
     monkeypatch.delenv("RLK_GRPO_ONE_READ")
@@ -107,12 +179,6 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
 
     measure(rlk_metrics, f"{OURS}_inplace", ours_inplace, bytes_moved, tags)
 
-    def ours_scaled_grad():
-        loss, _ = grpo_loss(logits, ids, config=CONFIG, **kw)
-        return torch.autograd.grad(loss * GRAD_SCALE, logits)
-
-    measure(rlk_metrics, f"{OURS}_scaled_grad", ours_scaled_grad, bytes_moved, tags, memory=False)
-
     def compiled_ours(f):
         loss, _ = f(logits, ids, config=CONFIG, **kw)
         return torch.autograd.grad(loss, logits)
@@ -124,45 +190,9 @@ def test_bench_grpo_loss_forward_backward(rlk_metrics, monkeypatch, dtype_name, 
     measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours, bytes_moved, tags)
     measure_compiled(rlk_metrics, kernels.grpo_loss, compiled_ours_scaled_grad, bytes_moved, tags,
                      impl=f"{COMPILED}_scaled_grad", memory=False)
-
-    compiled = torch.compile(reference_grpo_loss)
-
-    def peer():
-        loss, _ = compiled(logits, ids, config=CONFIG, **kw)
-        return torch.autograd.grad(loss, logits)
-
-    compiled_ms = measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
-    rlk_metrics.record("speedup_vs_torch_compile", compiled_ms / ours_ms, direction="higher_is_better",
-                       space="ratio", tags=tags, gate=False)
     if liger_available():
-        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
-
-        batch = num_tokens // SEQ
-        liger_logits = torch.randn(batch, SEQ + 1, vocab, device="cuda", dtype=dtype).requires_grad_()
-        shaped = {k: kw[k].view(batch, SEQ) for k in ("old_logp", "ref_logp")}
-        liger_ids = ids.view(batch, SEQ)
-        adv = kw["advantages"].view(batch, SEQ)[:, 0].contiguous()
-        mask = kw["loss_mask"].view(batch, SEQ).int()
-
-        def liger():
-            out = triton_grpo_loss(liger_logits, shaped["old_logp"], shaped["ref_logp"], liger_ids, adv, mask,
-                                   temperature=1.0, beta=0.01, eps_low=0.2, eps_high=0.28, inplace=False,
-                                   loss_type="grpo", reduce=True)
-            loss = out[0] if isinstance(out, tuple) else out
-            return torch.autograd.grad(loss, liger_logits)
-
-        liger_ms = measure(rlk_metrics, "liger", liger, bytes_moved, tags)
-
-        def liger_scaled_grad():
-            out = triton_grpo_loss(liger_logits, shaped["old_logp"], shaped["ref_logp"], liger_ids, adv, mask,
-                                   temperature=1.0, beta=0.01, eps_low=0.2, eps_high=0.28, inplace=False,
-                                   loss_type="grpo", reduce=True)
-            loss = out[0] if isinstance(out, tuple) else out
-            return torch.autograd.grad(loss * GRAD_SCALE, liger_logits)
-
-        measure(rlk_metrics, "liger_scaled_grad", liger_scaled_grad, bytes_moved, tags, memory=False)
-        rlk_metrics.record("speedup_vs_liger", liger_ms / ours_ms, direction="higher_is_better", space="ratio",
-                           tags=tags, gate=False)
+        measure(rlk_metrics, "liger_scaled_grad", _liger_call(logits, kw, ids, GRAD_SCALE), bytes_moved, tags,
+                memory=False)
 
 
 @pytest.mark.parametrize("num_tokens", [64, 256])
@@ -188,6 +218,15 @@ def test_bench_grpo_loss_small_launch_bound(rlk_metrics, num_tokens):
     floor = host_overhead_blocks_us(lambda: torch.autograd.grad((x * 2).sum(), x))
     rlk_metrics.record("autograd_floor_host_us", min(floor), unit="us", direction="lower_is_better", space="time",
                        tags={**tags, "block_medians_us": " ".join(f"{m:.1f}" for m in floor)}, gate=False)
+
+
+@pytest.mark.bench_full
+@pytest.mark.parametrize("num_tokens", [64, 256])
+def test_bench_grpo_loss_small_launch_bound_compiled(rlk_metrics, num_tokens):
+    """The compiled public call at the launch-bound shapes (a labelled variant, never gated)."""
+    logits, ids, kw = _inputs(num_tokens, 151936, torch.bfloat16)
+    logits.requires_grad_()
+    tags = {"op": "grpo_loss", "pass": "fwd+bwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
 
     def compiled_ours(f):
         loss, _ = f(logits, ids, config=CONFIG, **kw)

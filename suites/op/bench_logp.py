@@ -5,7 +5,9 @@ dlogits once (3*T*V*bytes). Peers in the same run: torch.compile of the referenc
 importable, Liger's ``fused_selective_log_softmax`` (forward only; its logits are [B, L+1, V]).
 Small shapes are launch-bound and reported separately with the host overhead per call, tagged with
 the path that served it (kernels/ops/logp.py's ``host_path``), and beside it, labelled and never gated,
-the Python path's in the same process (the C++ host path off).
+the Python path's in the same process (the C++ host path off). The compiled public call
+(``compiled_ops``) is a labelled variant in tests of its own, marked ``bench_full`` (a job apart
+from the nightly gate).
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ def test_bench_logp_forward(rlk_metrics, dtype_name, shape):
                        host=logp_op._HOST)
         compiled = torch.compile(selected_logprob)
         measure(rlk_metrics, "torch_compile", lambda: compiled(logits, ids), bytes_moved, tags)
-        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags)
         if liger_available() and num_tokens % LIGER_SEQ == 0:
             from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
@@ -92,8 +93,27 @@ def test_bench_logp_forward_backward(rlk_metrics, dtype_name, shape):
 
     measure(rlk_metrics, OURS, ours, bytes_moved, tags, graph=True, host=logp_op._HOST)
     measure(rlk_metrics, "torch_compile", peer, bytes_moved, tags)
+
+
+@pytest.mark.bench_full
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-V{s[1]}")
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("pass_name", ["fwd", "fwd+bwd"])
+def test_bench_logp_compiled(rlk_metrics, pass_name, dtype_name, shape):
+    """The compiled public call (``compiled_ops``, a labelled variant, never gated) of each case."""
+    dtype = DTYPES[dtype_name]
+    num_tokens, vocab = shape
+    logits, ids = _inputs(num_tokens, vocab, dtype)
+    tags = {"op": "logp", "pass": pass_name, "dtype": dtype_name, "shape": f"{num_tokens}x{vocab}"}
+    if pass_name == "fwd":
+        bytes_moved = num_tokens * vocab * dtype_bytes(dtype) + num_tokens * (8 + 4)
+        with torch.no_grad():
+            measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags)
+        return
+    logits.requires_grad_()
+    grad = torch.ones(num_tokens, device="cuda")
     measure_compiled(rlk_metrics, kernels.logp, lambda f: torch.autograd.grad(f(logits, ids), logits, grad),
-                     bytes_moved, tags)
+                     3 * num_tokens * vocab * dtype_bytes(dtype), tags)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64])
@@ -109,7 +129,17 @@ def test_bench_logp_small_launch_bound(rlk_metrics, num_tokens):
                 host=logp_op._HOST)
         record_host_overhead(rlk_metrics, lambda: logp(logits, ids), {**tags, "host_path": logp_op.host_path()})
         _record_python_path_host_us(rlk_metrics, lambda: logp(logits, ids), tags)
-        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), bytes_moved, tags, memory=False)
+
+
+@pytest.mark.bench_full
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_bench_logp_small_launch_bound_compiled(rlk_metrics, num_tokens):
+    """The compiled public call at the launch-bound shapes (a labelled variant, never gated)."""
+    logits, ids = _inputs(num_tokens, 151936, torch.bfloat16)
+    tags = {"op": "logp", "pass": "fwd", "dtype": "bf16", "shape": f"{num_tokens}x151936", "size": "small"}
+    with torch.no_grad():
+        measure_compiled(rlk_metrics, kernels.logp, lambda f: f(logits, ids), num_tokens * 151936 * 2, tags,
+                         memory=False)
 
 
 @pytest.mark.parametrize("num_tokens", [64])

@@ -200,6 +200,16 @@ def test_parse_platform_tag():
         options.parse_platform("../x")
 
 
+def test_bench_full_runs_only_where_the_expression_names_it():
+    assert markers.leaves_out_bench_full("h200")
+    assert markers.leaves_out_bench_full("bench")
+    assert markers.leaves_out_bench_full("h100 or gpu")
+    assert not markers.leaves_out_bench_full("bench_full")
+    assert not markers.leaves_out_bench_full("bench_full and h200")
+    assert not markers.leaves_out_bench_full(None)  # no -m: every test runs
+    assert not markers.leaves_out_bench_full("")
+
+
 def test_runnable_on_names_every_platform_a_test_can_run_on():
     everywhere = ("h100", "h200", "a100", "gb200", "gpu", "cpu")
     assert markers.runnable_on([]) == everywhere
@@ -208,6 +218,7 @@ def test_runnable_on_names_every_platform_a_test_can_run_on():
     assert markers.runnable_on(["gpus", "bench"]) == ("h100", "h200", "a100", "gb200", "gpu")
     assert markers.runnable_on(["gpu_mem"]) == ("h100", "h200", "a100", "gb200", "gpu")
     assert markers.runnable_on(["h200", "gpus"]) == ("h200", "gpu")
+
     assert markers.runnable_on(["h100", "h200"]) == ("h100", "h200", "gpu")
 
 

@@ -169,6 +169,12 @@ def test_h200_only():
 @pytest.mark.h200
 def test_hopper():
     pass
+
+@pytest.mark.bench
+@pytest.mark.bench_full
+@pytest.mark.gpu
+def test_variants():
+    pass
 """
 
 
@@ -179,10 +185,17 @@ def test_hopper():
     ("cpu", {"anywhere", "cpu"}),
     ("gpu", {"anywhere", "cpu", "any_gpu", "two_gpus", "h100_only", "h200_only", "hopper"}),
     ("gpu and not cpu", {"any_gpu", "two_gpus", "h100_only", "h200_only", "hopper"}),
+    # the labelled variants' job: never in a platform's selection, selected by its own marker
+    ("bench_full", {"variants"}),
+    ("bench_full and h200", {"variants"}),
+    ("bench", set()),
 ])
 def test_dash_m_selects_what_that_platform_runs(rlk_pytester, expr, selected):
     rlk_pytester.makepyfile(**{"suites/op/test_plat": PLATFORM_TESTS})
     result = rlk_pytester.runpytest("-m", expr, "--rlk-platform=cpu", "--strict-markers", "-rs")
+    if not selected:
+        assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+        return
     run = latest_run(rlk_pytester)
     assert {t.nodeid.split("::test_")[1] for t in run.tests} == selected
     # on this CPU machine the GPU tests among them skip, naming the hardware
@@ -195,7 +208,7 @@ def test_dash_m_selects_what_that_platform_runs(rlk_pytester, expr, selected):
 def test_dash_m_h100_on_cpu_names_the_missing_hardware(rlk_pytester):
     rlk_pytester.makepyfile(**{"suites/op/test_plat": PLATFORM_TESTS})
     result = rlk_pytester.runpytest("--rlk-tier=op,module", "-m", "h100", "--rlk-platform=cpu", "-rs")
-    result.assert_outcomes(passed=2, skipped=4, deselected=1)
+    result.assert_outcomes(passed=2, skipped=4, deselected=2)  # the H200 test and the bench_full one
     result.stdout.fnmatch_lines_random(["*test_plat.py:* needs a GPU (this machine: cpu, 0 GPUs)*",
                                         "*needs 2 GPUs (found 0)*",
                                         "*needs an H100 (this machine: cpu, 0 GPUs)*",
