@@ -16,7 +16,7 @@ gated. One command per model size::
     pytest suites/module/bench_capacity.py --rlk-tier=module -m bench_full -k qwen3_0p6b
 
 Marked ``bench_full`` (a job of its own, left out of the nightly gate's ``-m h200``): on a machine
-without a GPU every test skips with the reason.
+without an H100 or H200 every test skips with the reason.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ require_extra("transformers")
 from suites.module import capacity_arms, capacity_models, capacity_run  # noqa: E402
 
 # a long benchmark (minutes per model): the bench_full job, never the nightly gate's -m h200
-pytestmark = [pytest.mark.bench, pytest.mark.bench_full, pytest.mark.gpu]
+pytestmark = [pytest.mark.bench, pytest.mark.bench_full, pytest.mark.gpu, pytest.mark.h100, pytest.mark.h200]
 
 SEQ_LEN = 4096
 # The common sizes every arm that fits them is measured at: one and four 4096-token samples

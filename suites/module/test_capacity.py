@@ -181,7 +181,7 @@ def test_the_gpu_benchmark_collects_and_skips_on_a_cpu_with_its_reason(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLK_", "VIME_RL_KERNEL"))}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "suites/module/bench_capacity.py", "--rlk-tier=module", "-m", "bench",
+        [sys.executable, "-m", "pytest", "suites/module/bench_capacity.py", "--rlk-tier=module", "-m", "bench_full",
          "-k", "qwen3_0p6b and recompute_off", "-rs", "-q", "-p", "no:cacheprovider",
          f"--rlk-artifacts={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
