@@ -60,13 +60,15 @@ def build_model(kind: str, *, seed: int, vocab_size: int = TINY_VOCAB, size: Tin
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     config = build_config(kind, vocab_size, size, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # initialised where it runs: a Qwen3-0.6B-sized model's CPU init takes tens of seconds
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if lm_head_std is not None:
         gen = torch.Generator().manual_seed(seed + 1)
         head = model.get_output_embeddings().weight
         with torch.no_grad():
             head.copy_(torch.randn(head.shape, generator=gen) * lm_head_std)
-    return model.to(device)
+    return model
 
 
 def save_model_dir(kind: str, out_dir: Path, *, seed: int, vocab_size: int = TINY_VOCAB,

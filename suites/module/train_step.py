@@ -57,13 +57,18 @@ def sample_rollout(model: torch.nn.Module, prompts: list[torch.Tensor], *, group
     no top-k/top-p), with transformers' ``generate`` and its KV cache."""
     device = next(model.parameters()).device
     torch.manual_seed(seed)
+    # prompts of one length sample in one batched generate (no padding to model): a decode step of a
+    # large model is host-bound, so one call per prompt multiplies the wall time
+    batches = [prompts] if len({p.numel() for p in prompts}) == 1 else [[p] for p in prompts]
     all_prompts, responses = [], []
-    for prompt in prompts:
+    for batch in batches:
+        ids = torch.stack(batch).to(device)
         out = model.generate(
-            prompt[None].to(device), attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long, device=device),
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=response_len,
-            min_new_tokens=response_len, num_return_sequences=group_size, pad_token_id=0)
-        for row in out:
+            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=response_len, min_new_tokens=response_len, num_return_sequences=group_size,
+            pad_token_id=0)
+        for index, row in enumerate(out):  # group_size rows per prompt, in the prompts' order
+            prompt = batch[index // group_size]
             all_prompts.append(prompt.cpu())
             responses.append(row[prompt.numel():].cpu())
     rewards = torch.tensor([even_token_reward(r) for r in responses])
