@@ -328,6 +328,12 @@ NIGHTLY_TAG = _declare(Setting(
     "RLK_NIGHTLY_TAG", parse_text, None,
     "Name of the nightly job's tarball (`rlk-gpu-<tag>.tar.gz`); unset: `<platform>-<UTC time>`.",
     readers=(".ci/gpu-nightly",), read="when used", group="suite"))
+NIGHTLY_WORKERS_PER_GPU = _declare(Setting(
+    "RLK_NIGHTLY_WORKERS_PER_GPU", parse_positive_int, 4,
+    "xdist workers the GPU nightly job runs on each GPU (`-n auto --rlk-shard-gpus "
+    "--rlk-workers-per-gpu K`; benchmarks and `exclusive_gpu` tests still run alone afterwards); 1, "
+    "or an `-n` among the job's arguments, runs pytest as given.",
+    readers=(".ci/gpu-nightly",), read="when used", group="suite"))
 FAKE_GPUS = _declare(Setting(
     "RLK_FAKE_GPUS", parse_positive_int, None,
     "A test seam for machines without GPUs: `--rlk-shard-gpus` shards over this many fake GPU ids "

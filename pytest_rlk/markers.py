@@ -28,6 +28,8 @@ MARKERS: dict[str, str] = {
     "bench": "benchmark (timing) test",
     "bench_full": "a labelled-variant or long benchmark: a job of its own, selected only by a -m expression "
                   "that names bench_full (-m h200 or -m bench leaves it out; no -m runs it)",
+    "exclusive_gpu": "times or measures the whole GPU outside a benchmark: where xdist workers share a GPU "
+                     "(--rlk-workers-per-gpu > 1) it waits for the serial phase, alone on the node, as benchmarks do",
     "slow": "slow test",
     "vime": "needs a vime checkout (--rlk-vime-root)",
     "vime_fork": "needs a checkout of the RL-Align vime fork (--rlk-vime-fork-root)",

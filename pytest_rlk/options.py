@@ -50,6 +50,22 @@ def parse_refresh_rel(text: str | float | None) -> float | None:
     return value
 
 
+def parse_workers_per_gpu(text: str | int | None, shard_gpus: bool) -> int:
+    """``--rlk-workers-per-gpu K``: K >= 1 xdist workers share each GPU (only with ``--rlk-shard-gpus``)."""
+    if text is None:
+        return 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise OptionError(f"--rlk-workers-per-gpu: {text!r} is not a whole number") from None
+    if value < 1:
+        raise OptionError(f"--rlk-workers-per-gpu: {text!r} must be >= 1")
+    if value > 1 and not shard_gpus:
+        raise OptionError(f"--rlk-workers-per-gpu={value} shares each GPU between xdist workers: it needs "
+                          "--rlk-shard-gpus (and -n auto)")
+    return value
+
+
 def parse_platform(text: str | None) -> str | None:
     """A platform tag names a baseline directory: lower-case letters, digits, '-' and '_'."""
     if text is None:
@@ -180,6 +196,7 @@ class RlkOptions:
     fail_on_improvement: bool = False
     backend: str | None = None
     shard_gpus: bool = False
+    workers_per_gpu: int = 1  # > 1: workers share each GPU; timing tests wait for the serial phase
     all_gpu_phase: Path | None = None  # the run dir an all-GPU phase joins (set by its controller)
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -224,5 +241,6 @@ def build_options(getoption, rootdir: Path, args: list[str] | None = None, *,
         fail_on_improvement=bool(getoption("rlk_fail_on_improvement")),
         backend=parse_backend(getoption("rlk_backend")),
         shard_gpus=bool(getoption("rlk_shard_gpus")),
+        workers_per_gpu=parse_workers_per_gpu(getoption("rlk_workers_per_gpu"), bool(getoption("rlk_shard_gpus"))),
         all_gpu_phase=existing_dir(getoption("rlk_all_gpu_phase"), "--rlk-all-gpu-phase"),
     )

@@ -50,6 +50,7 @@ def pytest_addoption(parser):
     group.addoption("--rlk-fail-on-improvement", action="store_true", default=False, help="fail tests whose metrics improved beyond the refresh band")
     group.addoption("--rlk-backend", metavar="ID", default=None, help="kernel backend id or 'pkg.module:factory' (exported as VIME_RL_KERNEL_BACKEND)")
     group.addoption("--rlk-shard-gpus", action="store_true", default=False, help="with -n auto (or -n N): one xdist worker per GPU, each pinned to its GPU (CUDA_VISIBLE_DEVICES); tests marked gpus(n>1) run afterwards in an all-GPU phase, alone")
+    group.addoption("--rlk-workers-per-gpu", metavar="K", default=None, help="with --rlk-shard-gpus: K xdist workers share each GPU (-n auto starts K per GPU); benchmarks and tests marked exclusive_gpu wait for the serial phase, alone on the node (default 1)")
     group.addoption("--rlk-all-gpu-phase", metavar="RUN_DIR", default=None, help=argparse.SUPPRESS)  # set by the controller of a --rlk-shard-gpus run
 
 
@@ -63,12 +64,13 @@ def _node_platform(config, override: str | None) -> PlatformInfo:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto --rlk-shard-gpus``: one worker per GPU."""
+    """``-n auto --rlk-shard-gpus``: one worker per GPU (``--rlk-workers-per-gpu K``: K per GPU)."""
     if not config.getoption("rlk_shard_gpus", False) or config.getoption("rlk_all_gpu_phase", None):
         return None
     try:
         platform = _node_platform(config, options.parse_platform(config.getoption("rlk_platform")))
-        return len(sharding.node_gpu_ids(platform, os.environ, sharding.fake_gpu_count())) or None
+        per_gpu = options.parse_workers_per_gpu(config.getoption("rlk_workers_per_gpu", None), True)
+        return per_gpu * len(sharding.node_gpu_ids(platform, os.environ, sharding.fake_gpu_count())) or None
     except (options.OptionError, sharding.ShardError) as exc:
         raise pytest.UsageError(str(exc)) from None
 

@@ -22,31 +22,35 @@ def configure_sharding(config, state: RlkState, workerinput: dict | None) -> Non
             hooks = AllGpuPhaseHooks(sharding.read_nodeids(opts.all_gpu_phase))
         elif workerinput is not None:
             sharding.check_worker(workerinput, os.environ, config.inipath)
-            hooks = ShardWorkerHooks()
+            hooks = ShardWorkerHooks(shared_gpus=opts.workers_per_gpu > 1)
         else:
             sharding.check_xdist(config.pluginmanager.hasplugin("xdist"))
             config.option.tx, state.gpu_shards = sharding.pin_workers(
-                config.option.tx, state.platform, os.environ, config.invocation_params.args)
+                config.option.tx, state.platform, os.environ, config.invocation_params.args, opts.workers_per_gpu)
             hooks = ShardControllerHooks(state)
     except sharding.ShardError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(hooks, "rlk-shard-gpus")
 
 
-def _held_back(items: list) -> list:
+def _held_back(items: list, shared_gpus: bool) -> list:
     """Remove the tests that wait for the all-GPU phase from ``items``; returns them."""
     keep, held = sharding.split_held_back(
-        items, lambda item: ([(m.name, m.args) for m in item.iter_markers()], UNSERVED in item.stash))
+        items, lambda item: ([(m.name, m.args) for m in item.iter_markers()], UNSERVED in item.stash), shared_gpus)
     items[:] = keep
     return held
 
 
 class ShardWorkerHooks:
-    """An xdist worker pinned to one GPU: it leaves the multi-GPU tests to the all-GPU phase."""
+    """An xdist worker pinned to one GPU: it leaves the multi-GPU tests to the all-GPU phase (and,
+    where workers share the GPU, the tests that must have it to themselves)."""
+
+    def __init__(self, shared_gpus: bool = False) -> None:
+        self.shared_gpus = shared_gpus
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
-        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in _held_back(items)]
+        config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in _held_back(items, self.shared_gpus)]
 
 
 class AllGpuPhaseHooks:

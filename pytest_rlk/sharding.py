@@ -12,6 +12,12 @@ controller runs them in an *all-GPU phase*: one serial pytest (same arguments, `
 every GPU of the node visible, alone on the node, writing its part file
 (``parts/all-gpus.json``) into the same run directory. The run file then holds both phases.
 
+``--rlk-workers-per-gpu K`` (K > 1) lets K workers share each GPU: the op and module tiers spend
+most of a night compiling kernels and building models on the host, which K processes do side by
+side. What times or measures the whole GPU (``bench`` tests, tests marked ``exclusive_gpu``) or
+asks for much of its memory (``gpu_mem(gb)``) then waits for the all-GPU phase too, so it still has
+the node to itself.
+
 Test seam: on a machine without GPUs, ``RLK_FAKE_GPUS=N`` (``kernels/settings.py`` FAKE_GPUS)
 makes the sharding see N GPUs with ids 0..N-1 (workers get ``CUDA_VISIBLE_DEVICES=0``, ``1``, ...)
 without changing the platform, so the CPU forms of the tests run exactly as they would serially.
@@ -75,8 +81,9 @@ def node_gpu_ids(platform: PlatformInfo, env: Mapping[str, str], fake: int | Non
     return visible[:count]
 
 
-def worker_tx_specs(tx: Sequence[str], gpu_ids: Sequence[str]) -> list[str]:
-    """xdist's ``--tx`` specs for ``-n N`` (N times ``popen``), each pinned to one GPU."""
+def worker_tx_specs(tx: Sequence[str], gpu_ids: Sequence[str], per_gpu: int = 1) -> list[str]:
+    """xdist's ``--tx`` specs for ``-n N`` (N times ``popen``), each pinned to one GPU: worker i
+    to GPU ``i % len(gpu_ids)``, at most ``per_gpu`` workers on each."""
     if not tx:
         raise ShardError("--rlk-shard-gpus runs one pytest-xdist worker per GPU: add -n auto (one per "
                          "GPU) or -n N")
@@ -86,12 +93,16 @@ def worker_tx_specs(tx: Sequence[str], gpu_ids: Sequence[str]) -> list[str]:
     if not gpu_ids:
         raise ShardError("--rlk-shard-gpus: this machine has no GPU to shard over (a CPU machine can "
                          "set RLK_FAKE_GPUS=N to test the sharding)")
-    if len(tx) > len(gpu_ids):
-        raise ShardError(f"--rlk-shard-gpus: -n {len(tx)} workers for {len(gpu_ids)} GPUs; two workers "
-                         "would share a GPU (and time their benchmarks against each other): use -n auto")
+    if len(tx) > per_gpu * len(gpu_ids):
+        if per_gpu == 1:
+            raise ShardError(f"--rlk-shard-gpus: -n {len(tx)} workers for {len(gpu_ids)} GPUs; two workers "
+                             "would share a GPU (and time their benchmarks against each other): use -n auto, "
+                             "or --rlk-workers-per-gpu K to share each GPU between K workers")
+        raise ShardError(f"--rlk-shard-gpus: -n {len(tx)} workers for {len(gpu_ids)} GPUs at "
+                         f"--rlk-workers-per-gpu={per_gpu}: at most {per_gpu * len(gpu_ids)} (use -n auto)")
     # no id=: xdist numbers the workers gw0, gw1, ... in this order, and a crashed worker's
     # replacement (a new id, the same spec) keeps its GPU
-    return [f"popen//env:{VISIBLE_ENV}={gpu}" for gpu in gpu_ids[:len(tx)]]
+    return [f"popen//env:{VISIBLE_ENV}={gpu_ids[i % len(gpu_ids)]}" for i in range(len(tx))]
 
 
 def check_xdist(have_xdist: bool) -> None:
@@ -100,12 +111,12 @@ def check_xdist(have_xdist: bool) -> None:
 
 
 def pin_workers(tx: Sequence[str], platform: PlatformInfo, env: Mapping[str, str],
-                invocation_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+                invocation_args: Sequence[str], per_gpu: int = 1) -> tuple[list[str], dict[str, str]]:
     """The controller: the workers' ``--tx`` specs, one GPU each, and the shard map (worker id ->
     its GPUs) for the manifest."""
     check_path_options(invocation_args)
     gpu_ids = node_gpu_ids(platform, env, fake_gpu_count())
-    specs = worker_tx_specs(tx, gpu_ids)
+    specs = worker_tx_specs(tx, gpu_ids, per_gpu)
     return specs, shard_map(specs, gpu_ids)
 
 
@@ -123,7 +134,7 @@ def check_worker(workerinput: Mapping[str, object], env: Mapping[str, str], inip
 
 def shard_map(tx_specs: Sequence[str], gpu_ids: Sequence[str]) -> dict[str, str]:
     """worker id -> its ``CUDA_VISIBLE_DEVICES`` (the all-GPU phase: every GPU), for the manifest."""
-    shards = {f"gw{i}": gpu for i, gpu in enumerate(gpu_ids[:len(tx_specs)])}
+    shards = {f"gw{i}": gpu_ids[i % len(gpu_ids)] for i in range(len(tx_specs))}
     shards[ALL_GPU_WORKER] = ",".join(gpu_ids)
     return shards
 
@@ -164,19 +175,26 @@ def gpus_needed(marks: Iterable[tuple[str, tuple]]) -> float:
     return max(needed, default=1)
 
 
-def runs_in_all_gpu_phase(marks: Iterable[tuple[str, tuple]], *, unserved: bool) -> bool:
-    """Tests needing more than one GPU wait for the all-GPU phase (unless they skip anyway)."""
-    return not unserved and gpus_needed(marks) > 1
+ALONE_MARKERS = ("bench", "exclusive_gpu", "gpu_mem")  # what times the GPU or needs its memory: not shared
 
 
-def split_held_back(items: Sequence[T], marks_and_unserved: Callable[[T], tuple[list, bool]]
-                    ) -> tuple[list[T], list[T]]:
+def runs_in_all_gpu_phase(marks: Iterable[tuple[str, tuple]], *, unserved: bool, shared_gpus: bool = False) -> bool:
+    """Tests needing more than one GPU wait for the all-GPU phase (unless they skip anyway); where
+    workers share a GPU (``shared_gpus``), so do benchmarks and ``exclusive_gpu`` tests."""
+    marks = list(marks)
+    if unserved:
+        return False
+    return gpus_needed(marks) > 1 or (shared_gpus and any(name in ALONE_MARKERS for name, _ in marks))
+
+
+def split_held_back(items: Sequence[T], marks_and_unserved: Callable[[T], tuple[list, bool]],
+                    shared_gpus: bool = False) -> tuple[list[T], list[T]]:
     """``items`` as (run by this worker, held back for the all-GPU phase); ``marks_and_unserved``
     gives an item's ``(marker name, args)`` pairs and whether it skips anyway."""
     keep, held = [], []
     for item in items:
         marks, unserved = marks_and_unserved(item)
-        (held if runs_in_all_gpu_phase(marks, unserved=unserved) else keep).append(item)
+        (held if runs_in_all_gpu_phase(marks, unserved=unserved, shared_gpus=shared_gpus) else keep).append(item)
     return keep, held
 
 
@@ -224,9 +242,10 @@ def run_all_gpu_phase(nodeids: Sequence[str], run_dir: Path, *, invocation_args:
     itself failed). ``say(line, red=...)`` writes to the terminal."""
     write_nodeids(run_dir, nodeids)
     argv = all_gpu_phase_argv(invocation_args, run_dir)
-    count = "1 test that needs" if len(nodeids) == 1 else f"{len(nodeids)} tests that need"
+    count = ("1 test that needs more than one GPU or a GPU to itself" if len(nodeids) == 1 else
+             f"{len(nodeids)} tests that need more than one GPU or a GPU to themselves")
     say("")
-    say(f"rlk: all-GPU phase: {count} more than one GPU, alone on the node with GPUs {gpus} visible")
+    say(f"rlk: all-GPU phase: {count}, alone on the node with GPUs {gpus} visible")
     status = subprocess.run(argv, cwd=cwd, check=False, env=all_gpu_phase_env(os.environ)).returncode
     outcomes = phase_outcomes(run_dir)
     if outcomes is None or status not in (0, 1):

@@ -25,6 +25,7 @@ def test_stop_before_start_and_bad_interval_are_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive_gpu  # NVML reads the whole device's memory, another worker's too
 def test_peak_follows_an_allocation_on_gpu():
     torch = pytest.importorskip("torch")
     # Earlier tests in the same process leave blocks in torch's caching allocator; a 1 GiB tensor

@@ -371,6 +371,7 @@ def reward_rise(series: list[float]) -> float:
 
 @pytest.mark.h100
 @pytest.mark.h200
+@pytest.mark.exclusive_gpu  # gates the arms' peak VRAM, which NVML reads for the whole device
 def test_trl_gpu_ab_learns_and_passes_both_lanes(tmp_path, rlk_metrics, rlk_progress):
     spec = load_spec(SMALL_GPU)
     with rlk_progress.step(f"TRL GRPO A/B {SMALL_GPU.stem}: replay and live lanes, 4 arms one after the other"):

@@ -309,6 +309,7 @@ def test_divergence_beyond_the_control_arms_multiple_fails():
 
 @pytest.mark.gpu
 @pytest.mark.gpu_mem(40)
+@pytest.mark.exclusive_gpu  # gates our ops' device-clock stage times
 def test_qwen3_0p6b_sized_training_step(kernels_arm, rlk_metrics, rlk_progress):
     """Qwen3-0.6B-sized random model, bf16 weights, fp32 logits [~2300, 151936]; baselines: h100."""
     problems = run_case(GPU_CASE, torch.device("cuda"), kernels_arm, rlk_metrics, rlk_progress)

@@ -21,6 +21,7 @@ def test_a_cpu_device_and_a_slot_outside_the_clock_are_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive_gpu  # compares two clocks over a timed stage
 def test_the_clock_times_a_stage_as_cuda_events_do_without_waiting():
     clock = DeviceClock(torch.device("cuda"), 4)
     with pytest.raises(IndexError, match="slot 4 is outside the clock's 4 slots"):

@@ -16,7 +16,7 @@ import pytest
 from nightly_testing import metric, result
 from rlk_plugin_testing import REPO_ROOT, checkout_pythonpath, latest_run_dir, needs_gpuless_host
 
-from pytest_rlk import cli, sharding, storage
+from pytest_rlk import cli, options, sharding, storage
 from pytest_rlk.same_results import compare_runs
 from pytest_rlk.schema import DeviceInfo, MetricRecord, PlatformInfo, RunManifest, RunRecord
 
@@ -57,6 +57,33 @@ def test_worker_specs_pin_one_gpu_each():
                               (["popen"] * 3, ["0", "1"], "two workers would share a GPU")):
         with pytest.raises(sharding.ShardError, match=message):
             sharding.worker_tx_specs(tx, gpus)
+
+
+def test_workers_sharing_gpus_take_them_in_turn():
+    specs = sharding.worker_tx_specs(["popen"] * 4, ["3", "5"], per_gpu=2)
+    assert specs == [f"popen//env:CUDA_VISIBLE_DEVICES={g}" for g in ("3", "5", "3", "5")]
+    assert sharding.shard_map(specs, ["3", "5"]) == {"gw0": "3", "gw1": "5", "gw2": "3", "gw3": "5", "all-gpus": "3,5"}
+    with pytest.raises(sharding.ShardError, match="-n 5 workers for 2 GPUs at --rlk-workers-per-gpu=2: at most 4"):
+        sharding.worker_tx_specs(["popen"] * 5, ["3", "5"], per_gpu=2)
+    with pytest.raises(sharding.ShardError, match="or --rlk-workers-per-gpu K"):
+        sharding.worker_tx_specs(["popen"] * 2, ["0"])
+
+
+def test_what_times_the_gpu_waits_for_the_all_gpu_phase_only_where_workers_share_it():
+    for marks in ([("bench", ())], [("exclusive_gpu", ())], [("gpu", ()), ("bench", ())], [("gpu_mem", (40,))]):
+        assert sharding.runs_in_all_gpu_phase(marks, unserved=False, shared_gpus=True), marks
+        assert not sharding.runs_in_all_gpu_phase(marks, unserved=False), marks  # one worker per GPU
+    assert not sharding.runs_in_all_gpu_phase([("gpu", ())], unserved=False, shared_gpus=True)
+    assert not sharding.runs_in_all_gpu_phase([("bench", ())], unserved=True, shared_gpus=True)  # skips anyway
+
+
+def test_workers_per_gpu_is_a_whole_number_given_with_sharding():
+    assert options.parse_workers_per_gpu(None, False) == 1 and options.parse_workers_per_gpu("3", True) == 3
+    assert options.parse_workers_per_gpu("1", False) == 1
+    for text, shard, message in (("two", True, "is not a whole number"), ("0", True, "must be >= 1"),
+                                 ("2", False, "it needs --rlk-shard-gpus")):
+        with pytest.raises(options.OptionError, match=message):
+            options.parse_workers_per_gpu(text, shard)
 
 
 def test_controller_pins_and_workers_check_themselves(tmp_path):
@@ -181,8 +208,9 @@ def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, m
     monkeypatch.setenv("SHARD_LOG", str(log))
     result = rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "auto", "--rlk-shard-gpus")
     assert result.ret == 0
-    result.stdout.fnmatch_lines(["*created: 2/2 workers*", "*all-GPU phase: 1 test that needs more than one GPU,"
-                                 " alone on the node with GPUs 3,5 visible", "*all-GPU phase: 1 passed"])
+    result.stdout.fnmatch_lines(["*created: 2/2 workers*", "*all-GPU phase: 1 test that needs more than one GPU"
+                                 " or a GPU to itself, alone on the node with GPUs 3,5 visible",
+                                 "*all-GPU phase: 1 passed"])
     sharded = latest_run_dir(rlk_pytester)
     run = storage.load_run(sharded / "run.json")
     assert run.status == "complete" and len(run.tests) == 10
@@ -217,6 +245,39 @@ def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, m
     assert "suites/op/test_sharded.py::test_tp2: tp2_err: only in A" in out
 
 
+def test_workers_sharing_each_gpu_leave_the_benchmarks_to_the_all_gpu_phase(rlk_pytester, monkeypatch, capsys):
+    """--rlk-workers-per-gpu 2 on two GPUs: four workers, two on each GPU, run the parity tests side
+    by side; the benchmarks and the TP=2 test run after them, alone, with the serial run's results."""
+    rlk_pytester.makeconftest(FAKE_TWO_GPU_CONFTEST)
+    rlk_pytester.makepyfile(**{"suites/op/test_sharded": SHARDED_TESTS})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.delenv("RLK_FAKE_GPUS", raising=False)
+    monkeypatch.setenv("SHARD_LOG", str(rlk_pytester.path / "serial.jsonl"))
+    rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=9, skipped=1)
+    serial = latest_run_dir(rlk_pytester)
+
+    log = rlk_pytester.path / "shared.jsonl"
+    monkeypatch.setenv("SHARD_LOG", str(log))
+    result = rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "auto", "--rlk-shard-gpus",
+                                               "--rlk-workers-per-gpu=2")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*created: 4/4 workers*", "*all-GPU phase: 3 tests that need more than one GPU"
+                                 " or a GPU to themselves, alone on the node with GPUs 3,5 visible",
+                                 "*all-GPU phase: 3 passed"])
+    shared = latest_run_dir(rlk_pytester)
+    run = storage.load_run(shared / "run.json")
+    assert run.manifest.gpu_shards == {"gw0": "3", "gw1": "5", "gw2": "3", "gw3": "5", "all-gpus": "3,5"}
+    usage = _usage(log)
+    alone = [u for u in usage if u["bench"] or u["nodeid"].endswith("test_tp2")]
+    assert {u["worker"] for u in alone} == {"main"}, alone
+    assert all(u["gpus"] == run.manifest.gpu_shards[u["worker"]] for u in usage if u["worker"] != "main")
+    for a in alone:  # nothing else held any GPU while a benchmark timed
+        clashes = [u["nodeid"] for u in usage if u is not a and _overlap(a, u)]
+        assert not clashes, (a["nodeid"], clashes)
+    capsys.readouterr()
+    assert cli.main(["same", str(serial), str(shared)]) == 0
+
+
 @needs_gpuless_host
 def test_fake_gpu_ids_on_the_cpu_platform(rlk_pytester, monkeypatch):
     """RLK_FAKE_GPUS: the CPU platform (gpus(n) tests skip as on any CPU machine), workers pinned to
@@ -236,6 +297,7 @@ def test_fake_gpu_ids_on_the_cpu_platform(rlk_pytester, monkeypatch):
 @pytest.mark.parametrize("args, env, message", [
     (["--rlk-shard-gpus"], {"RLK_FAKE_GPUS": "2"}, "one pytest-xdist worker per GPU: add -n auto"),
     (["-n", "3", "--rlk-shard-gpus"], {"RLK_FAKE_GPUS": "2"}, "-n 3 workers for 2 GPUs"),
+    (["-n", "2", "--rlk-workers-per-gpu=2"], {"RLK_FAKE_GPUS": "2"}, "it needs --rlk-shard-gpus"),
     (["-n", "2", "--rlk-shard-gpus"], {}, "this machine has no GPU to shard over"),
     (["--rlk-shard-gpus", "-p", "no:xdist"], {"RLK_FAKE_GPUS": "2"}, "--rlk-shard-gpus needs pytest-xdist"),
     (["-n", "2", "--rlk-shard-gpus", "--rlk-artifacts", "runs"], {"RLK_FAKE_GPUS": "2"}, "--rlk-artifacts=DIR with '='"),
