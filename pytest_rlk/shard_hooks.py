@@ -52,6 +52,11 @@ class ShardWorkerHooks:
     def pytest_collection_modifyitems(self, config, items):
         config.workeroutput[sharding.WORKEROUTPUT_KEY] = [item.nodeid for item in _held_back(items, self.shared_gpus)]
 
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        if self.shared_gpus:  # after the test's fixtures are gone: its tensors are free
+            sharding.release_cached_gpu_memory()
+
 
 class AllGpuPhaseHooks:
     """The all-GPU phase: only the tests the workers left to it."""

@@ -77,6 +77,25 @@ def test_what_times_the_gpu_waits_for_the_all_gpu_phase_only_where_workers_share
     assert not sharding.runs_in_all_gpu_phase([("bench", ())], unserved=True, shared_gpus=True)  # skips anyway
 
 
+def test_a_worker_sharing_its_gpu_returns_the_cached_blocks(monkeypatch):
+    class FakeCuda:
+        def __init__(self, initialized):
+            self.initialized, self.emptied = initialized, 0
+
+        def is_initialized(self):
+            return self.initialized
+
+        def empty_cache(self):
+            self.emptied += 1
+
+    for initialized in (True, False):
+        fake = type("FakeTorch", (), {"cuda": FakeCuda(initialized)})()
+        monkeypatch.setitem(sys.modules, "torch", fake)
+        assert sharding.release_cached_gpu_memory() is initialized and fake.cuda.emptied == int(initialized)
+    monkeypatch.delitem(sys.modules, "torch")
+    assert sharding.release_cached_gpu_memory() is False  # torch never imported: nothing to return
+
+
 def test_workers_per_gpu_is_a_whole_number_given_with_sharding():
     assert options.parse_workers_per_gpu(None, False) == 1 and options.parse_workers_per_gpu("3", True) == 3
     assert options.parse_workers_per_gpu("1", False) == 1
