@@ -38,13 +38,18 @@ def parse_update_mode(text: str | None) -> str | None:
     return text
 
 
+def _number(text: str | float | int, kind: type, option: str, what: str):
+    """``kind(text)``, or an :class:`OptionError` naming ``option`` and what it expected."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise OptionError(f"{option}: {text!r} is not {what}") from None
+
+
 def parse_refresh_rel(text: str | float | None) -> float | None:
     if text is None:
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise OptionError(f"--rlk-refresh-rel: {text!r} is not a number") from None
+    value = _number(text, float, "--rlk-refresh-rel", "a number")
     if value < 0:
         raise OptionError(f"--rlk-refresh-rel: {text!r} must be >= 0")
     return value
@@ -54,10 +59,7 @@ def parse_workers_per_gpu(text: str | int | None, shard_gpus: bool) -> int:
     """``--rlk-workers-per-gpu K``: K >= 1 xdist workers share each GPU (only with ``--rlk-shard-gpus``)."""
     if text is None:
         return 1
-    try:
-        value = int(text)
-    except ValueError:
-        raise OptionError(f"--rlk-workers-per-gpu: {text!r} is not a whole number") from None
+    value = _number(text, int, "--rlk-workers-per-gpu", "a whole number")
     if value < 1:
         raise OptionError(f"--rlk-workers-per-gpu: {text!r} must be >= 1")
     if value > 1 and not shard_gpus:

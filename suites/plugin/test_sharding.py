@@ -213,15 +213,19 @@ def _overlap(a: dict, b: dict) -> bool:
     return a["start"] < b["end"] and b["start"] < a["end"]
 
 
-def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, monkeypatch, capsys):
+def _two_gpu_node_and_its_serial_run(rlk_pytester, monkeypatch) -> Path:
+    """The sharded tests on a stand-in node of two GPUs (3 and 5), run serially once: that run's dir."""
     rlk_pytester.makeconftest(FAKE_TWO_GPU_CONFTEST)
     rlk_pytester.makepyfile(**{"suites/op/test_sharded": SHARDED_TESTS})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # the node's GPUs as this process sees them
     monkeypatch.delenv("RLK_FAKE_GPUS", raising=False)
-
     monkeypatch.setenv("SHARD_LOG", str(rlk_pytester.path / "serial.jsonl"))
     rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=9, skipped=1)
-    serial = latest_run_dir(rlk_pytester)
+    return latest_run_dir(rlk_pytester)
+
+
+def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, monkeypatch, capsys):
+    serial = _two_gpu_node_and_its_serial_run(rlk_pytester, monkeypatch)
 
     log = rlk_pytester.path / "sharded.jsonl"
     monkeypatch.setenv("SHARD_LOG", str(log))
@@ -267,13 +271,7 @@ def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, m
 def test_workers_sharing_each_gpu_leave_the_benchmarks_to_the_all_gpu_phase(rlk_pytester, monkeypatch, capsys):
     """--rlk-workers-per-gpu 2 on two GPUs: four workers, two on each GPU, run the parity tests side
     by side; the benchmarks and the TP=2 test run after them, alone, with the serial run's results."""
-    rlk_pytester.makeconftest(FAKE_TWO_GPU_CONFTEST)
-    rlk_pytester.makepyfile(**{"suites/op/test_sharded": SHARDED_TESTS})
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    monkeypatch.delenv("RLK_FAKE_GPUS", raising=False)
-    monkeypatch.setenv("SHARD_LOG", str(rlk_pytester.path / "serial.jsonl"))
-    rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=9, skipped=1)
-    serial = latest_run_dir(rlk_pytester)
+    serial = _two_gpu_node_and_its_serial_run(rlk_pytester, monkeypatch)
 
     log = rlk_pytester.path / "shared.jsonl"
     monkeypatch.setenv("SHARD_LOG", str(log))
