@@ -688,7 +688,7 @@ def test_ops_fast_path_matches_the_normal_launch(monkeypatch):
         assert launch.disabled_reason() is None
         for op in ops:
             monkeypatch.setattr(op, "_compiled", False)  # Triton's own launch from here on
-        host_paths_off.enter_context(ratio_kl_op._HOST.off())  # and no host path (test_host_path.py)
+        host_paths_off.enter_context(ratio_kl_op._HOST.off())  # and no host path (test_host_path_ratio_kl.py)
         normal = _op_calls(logits, ids, inputs)
     for i, (a, b) in enumerate(zip(fast, normal)):
         assert torch.equal(a, b), f"output {i} differs"
