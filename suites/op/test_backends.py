@@ -11,72 +11,32 @@ worst element's index. Max errors (and, on a GPU, times) are recorded through ``
 tags {backend, backend_version, op, dtype, case}; each case's baseline id contains the backend id
 and version, so baselines are kept per backend. A table of all results goes to the run's
 ``files/backends-parity.txt`` (the rlk summary names it).
+
+The harness (the backends chosen, one case on one backend, the table's rows): backend_matrix.py.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 import torch
-from rlk_op_cases import (
-    DEVICE,
-    DTYPES,
-    loss_inputs,
-    loss_upstream_grad,
-    make_ids,
-    make_logits,
-    record_error,
-    summed_terms,
-    tolerance_band,
-)
+from rlk_op_cases import DEVICE, DTYPES, loss_inputs, loss_upstream_grad, make_ids, make_logits, summed_terms
 
-from kernels import backends, contracts, tolerances
-from kernels.contracts import LinearGrpoLossCall, LossInputs
+from kernels.contracts import LossInputs
 from kernels.reference import LossConfig, grpo_loss_from_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
-
-# test id -> backend name (built-in names: kernels/backends/__init__.py)
-DEFAULT_BACKENDS = {"rlk-triton": "rlk-triton", "liger": "liger", "rl_engine": "rl_engine"}
-ON_GPU = DEVICE == "cuda"
-FULL_SHAPE_SKIP = "full shape: needs a CUDA GPU (the CPU interpreter would take hours)"
-
-
-# op -> its call type: a backend's implementation is a function of one checked call
-CALLS = {**contracts.CALLS, "linear_grpo_loss": LinearGrpoLossCall}
-
-
-def op_function(backend: backends.Backend, op: str) -> Callable[..., Any]:
-    """``backend``'s implementation of ``op`` as a function of the op's arguments (as the public API)."""
-    return contracts.entry_point(CALLS[op], backend.get(op))
-
-
-def reference_op(op: str) -> Callable[..., Any]:
-    return op_function(backends.get_backend("reference"), op)
-
-
-def configured_backend(config: pytest.Config) -> str | None:
-    """``--rlk-backend`` (validated by the plugin), else ``VIME_RL_KERNEL_BACKEND``."""
-    value = config.getoption("rlk_backend", default=None)
-    return value or os.environ.get("VIME_RL_KERNEL_BACKEND", "").strip() or None
-
-
-def backend_names(config: pytest.Config) -> dict[str, str]:
-    """Test id -> backend name/path to validate in this run."""
-    chosen = configured_backend(config)
-    if chosen is not None:
-        return {re.sub(r"[^A-Za-z0-9_.-]", "-", chosen): chosen}
-    names = dict(DEFAULT_BACKENDS)
-    for name in backends.available_backends():
-        if name not in ("reference",) and name not in names:
-            names[name] = name
-    return names
+from suites.op.backend_matrix import (
+    LOADED,
+    ROWS,
+    CaseRun,
+    backend_names,
+    full_case,
+    load_backend,
+    reference_op,
+    skip_unless_gpu,
+    small_case,
+)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -85,32 +45,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend_name", list(names.values()), ids=list(names))
 
 
-_LOADED: dict[str, tuple[Any, str | None]] = {}
-
-
-def load_backend(name: str) -> tuple[Any, str | None]:
-    """(backend, None) or (None, why it cannot be loaded); cached per process."""
-    if name not in _LOADED:
-        try:
-            _LOADED[name] = (backends.get_backend(name), None)
-        except (backends.BackendLoadError, ImportError) as exc:
-            _LOADED[name] = (None, f"backend {name!r} not available: {exc}")
-    return _LOADED[name]
-
-
 # -- results table ---------------------------------------------------------------------------------
-
-@dataclass
-class Row:
-    backend: str
-    op: str
-    case: str
-    status: str  # "ok", "FAIL", "skip: <reason>"
-    errors: dict[str, float] = field(default_factory=dict)
-    time_ms: float | None = None
-
-
-ROWS: list[Row] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,106 +66,10 @@ def backends_table(rlk_files):
         errs = " ".join(f"{k}={v:.2e}" for k, v in row.errors.items())
         when = f" {row.time_ms:.3f} ms" if row.time_ms is not None else ""
         lines.append(f"  {row.backend:<30} {row.op:<17} {row.case:<36} {row.status}{when} {errs}")
-    for backend, _ in (loaded for loaded in _LOADED.values() if loaded[0] is not None):
+    for backend, _ in (loaded for loaded in LOADED.values() if loaded[0] is not None):
         lines.append(f"  {backend.id}/{backend.version}: {backend.capabilities.extra or 'no extra capability notes'}")
     rlk_files.path("backends-parity.txt", "backend parity table").write_text("\n".join(lines) + "\n")
     ROWS.clear()
-
-
-# -- one case on one backend -----------------------------------------------------------------------
-
-class CaseRun:
-    """Supports-check, comparisons and recording of one (backend, op, case)."""
-
-    def __init__(self, backend_name: str, op: str, case_id: str, rlk_metrics) -> None:
-        backend, why = load_backend(backend_name)
-        label = backend.id if backend is not None else backend_name
-        self.row = Row(f"{label}/{backend.version}" if backend is not None else label, op, case_id, "ok")
-        ROWS.append(self.row)
-        if backend is None:
-            self.skip(why)
-        self.backend = backend
-        self.op = op
-        self.case_id = case_id
-        self.metrics = rlk_metrics
-        self.failures: list[str] = []
-        rlk_metrics.set_case(_case_name(f"backends.{op}.{case_id}.{backend.id}-{backend.version}"))
-        rlk_metrics.record_backend(f"{backend.id}/{backend.version}")
-
-    def skip(self, reason: str) -> None:
-        self.row.status = f"skip: {reason}"
-        pytest.skip(reason)
-
-    def require_support(self, **case: Any) -> Callable[..., Any]:
-        reason = self.backend.supports(self.op, **case)
-        if reason is not None:
-            self.skip(f"{self.backend.id}/{self.backend.version}: {reason}")
-        return op_function(self.backend, self.op)
-
-    def compare(
-        self, what: str, actual: torch.Tensor, expected: torch.Tensor, check: str, dtype: torch.dtype,
-        upstream: torch.Tensor | None = None, terms: int | None = None,
-    ) -> None:
-        tol = tolerances.get(check, dtype, upstream=upstream, terms=terms)
-        result = tolerances.closeness(actual, expected, tol)
-        tags = {
-            "backend": self.backend.id, "backend_version": self.backend.version, "op": self.op,
-            "dtype": tolerances.dtype_name(dtype), "case": self.case_id,
-        }
-        record_error(self.metrics, f"{what}_max_abs_err", result, tags,
-                     band=tolerance_band(check, dtype, tol, expected))
-        self.row.errors[what] = result.max_abs_err
-        if not result.ok:
-            idx = result.worst_index
-            got = float(actual.detach().float()[idx]) if idx else float(actual.detach().float())
-            ref = float(expected.detach().float()[idx]) if idx else float(expected.detach().float())
-            self.failures.append(
-                f"{self.backend.id}/{self.backend.version} disagrees with the fp32 reference: op {self.op}, "
-                f"output {what}, shape {tuple(expected.shape)}, dtype {tolerances.dtype_name(dtype)}, case "
-                f"{self.case_id}: max abs err {result.max_abs_err:.3e} at worst element index {idx} "
-                f"(got {got:.9g}, reference {ref:.9g}); tolerance {tol.describe()} [{tol.source}]"
-            )
-
-    def time(self, fn: Callable[[], Any]) -> None:
-        """Median wall time of ``fn`` on the GPU (recorded, not gated); nothing on CPU."""
-        if not ON_GPU:
-            return
-        for _ in range(2):
-            fn()
-        samples = []
-        for _ in range(10):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            samples.append((time.perf_counter() - start) * 1e3)
-        self.row.time_ms = statistics.median(samples)
-        self.metrics.record(
-            "time_ms", samples, unit="ms", direction="lower_is_better", space="time", gate=False,
-            tags={"backend": self.backend.id, "backend_version": self.backend.version, "op": self.op, "case": self.case_id},
-        )
-
-    def finish(self) -> None:
-        if self.failures:
-            self.row.status = "FAIL"
-            pytest.fail("\n".join(self.failures), pytrace=False)
-
-
-def _case_name(raw: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=+-]", "_", raw)[:200]
-
-
-def _full(case: Any) -> Any:
-    return pytest.param(case, marks=pytest.mark.gpu, id=case.id)
-
-
-def _small(case: Any) -> Any:
-    return pytest.param(case, id=case.id)
-
-
-def _skip_unless_gpu(full: bool) -> None:
-    if full and not ON_GPU:
-        pytest.skip(FULL_SHAPE_SKIP)
 
 
 # -- logp ------------------------------------------------------------------------------------------
@@ -247,18 +86,18 @@ class LogpCase:
 
 
 LOGP_CASES = [
-    _small(LogpCase(f"{dt}-t{t}-{'fwdbwd' if g else 'fwd'}", dt, t, g))
+    small_case(LogpCase(f"{dt}-t{t}-{'fwdbwd' if g else 'fwd'}", dt, t, g))
     for dt in DTYPES for t in (1.0, 0.7) for g in (False, True)
 ] + [
-    _small(LogpCase("fp32-t1.0-fwdbwd-V4099", "fp32", 1.0, True, tokens=8, vocab=4099)),
-    _full(LogpCase("full-bf16-T4096-V151936", "bf16", 1.0, True, tokens=4096, vocab=151936, full=True)),
-    _full(LogpCase("full-fp32-T4096-V151936", "fp32", 1.0, True, tokens=4096, vocab=151936, full=True)),
+    small_case(LogpCase("fp32-t1.0-fwdbwd-V4099", "fp32", 1.0, True, tokens=8, vocab=4099)),
+    full_case(LogpCase("full-bf16-T4096-V151936", "bf16", 1.0, True, tokens=4096, vocab=151936, full=True)),
+    full_case(LogpCase("full-fp32-T4096-V151936", "fp32", 1.0, True, tokens=4096, vocab=151936, full=True)),
 ]
 
 
 @pytest.mark.parametrize("case", LOGP_CASES)
 def test_logp(backend_name, case: LogpCase, rlk_metrics):
-    _skip_unless_gpu(case.full)
+    skip_unless_gpu(case.full)
     run = CaseRun(backend_name, "logp", case.id, rlk_metrics)
     dtype = DTYPES[case.dtype]
     logits = make_logits(case.tokens, case.vocab, dtype, seed=case.vocab)
@@ -297,15 +136,15 @@ class RatioKlCase:
     full: bool = False
 
 
-RATIO_KL_CASES = [_small(RatioKlCase(k, k)) for k in ("k3", "low_var_kl", "k1", "k2")] + [
-    _small(RatioKlCase("low_var_kl-unbiased", "low_var_kl", True)),
-    _full(RatioKlCase("full-k3-T65536", "k3", tokens=65536, full=True)),
+RATIO_KL_CASES = [small_case(RatioKlCase(k, k)) for k in ("k3", "low_var_kl", "k1", "k2")] + [
+    small_case(RatioKlCase("low_var_kl-unbiased", "low_var_kl", True)),
+    full_case(RatioKlCase("full-k3-T65536", "k3", tokens=65536, full=True)),
 ]
 
 
 @pytest.mark.parametrize("case", RATIO_KL_CASES)
 def test_ratio_kl(backend_name, case: RatioKlCase, rlk_metrics):
-    _skip_unless_gpu(case.full)
+    skip_unless_gpu(case.full)
     run = CaseRun(backend_name, "ratio_kl", case.id, rlk_metrics)
     inputs = loss_inputs(case.tokens, 257, torch.float32, seed=case.tokens)
     from kernels.reference import selected_logprob
@@ -352,22 +191,22 @@ class GrpoCase:
 
 
 GRPO_CASES = [
-    _small(GrpoCase("vime-default-3samples-fp32", "fp32", LossConfig())),
-    _small(GrpoCase("vime-default-3samples-bf16", "bf16", LossConfig())),
-    _small(GrpoCase("k3-symmetric-1sample-fp32", "fp32", LossConfig(**K3), lengths=(24,))),
-    _small(GrpoCase("k3-symmetric-1sample-bf16", "bf16", LossConfig(**K3), lengths=(24,))),
-    _small(GrpoCase("k3-symmetric-1sample-fp16", "fp16", LossConfig(**K3), lengths=(24,))),
-    _small(GrpoCase(
+    small_case(GrpoCase("vime-default-3samples-fp32", "fp32", LossConfig())),
+    small_case(GrpoCase("vime-default-3samples-bf16", "bf16", LossConfig())),
+    small_case(GrpoCase("k3-symmetric-1sample-fp32", "fp32", LossConfig(**K3), lengths=(24,))),
+    small_case(GrpoCase("k3-symmetric-1sample-bf16", "bf16", LossConfig(**K3), lengths=(24,))),
+    small_case(GrpoCase("k3-symmetric-1sample-fp16", "fp16", LossConfig(**K3), lengths=(24,))),
+    small_case(GrpoCase(
         "asym-k3-tis-unbiased-t0.8-fp32", "fp32",
         LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, use_unbiased_kl=True, **K3), temperature=0.8,
     )),
-    _small(GrpoCase("low_var_kl-coef-fp32", "fp32", LossConfig(kl_loss_coef=0.05))),
-    _small(GrpoCase("per_token_sum-k3-fp32", "fp32", LossConfig(reduction="per_token_sum", **K3))),
-    _small(GrpoCase("gspo-fp32", "fp32", LossConfig(gspo=True))),
-    _small(GrpoCase("dual-clip-fp32", "fp32", LossConfig(eps_clip_c=3.0))),
-    _full(GrpoCase("full-k3-1sample-bf16-T4096-V151936", "bf16", LossConfig(**K3), lengths=(4096,), vocab=151936, full=True)),
-    _full(GrpoCase("full-k3-1sample-fp32-T4096-V151936", "fp32", LossConfig(**K3), lengths=(4096,), vocab=151936, full=True)),
-    _full(GrpoCase("full-vime-default-16samples-bf16", "bf16", LossConfig(), lengths=(256,) * 16, vocab=151936, full=True)),
+    small_case(GrpoCase("low_var_kl-coef-fp32", "fp32", LossConfig(kl_loss_coef=0.05))),
+    small_case(GrpoCase("per_token_sum-k3-fp32", "fp32", LossConfig(reduction="per_token_sum", **K3))),
+    small_case(GrpoCase("gspo-fp32", "fp32", LossConfig(gspo=True))),
+    small_case(GrpoCase("dual-clip-fp32", "fp32", LossConfig(eps_clip_c=3.0))),
+    full_case(GrpoCase("full-k3-1sample-bf16-T4096-V151936", "bf16", LossConfig(**K3), lengths=(4096,), vocab=151936, full=True)),
+    full_case(GrpoCase("full-k3-1sample-fp32-T4096-V151936", "fp32", LossConfig(**K3), lengths=(4096,), vocab=151936, full=True)),
+    full_case(GrpoCase("full-vime-default-16samples-bf16", "bf16", LossConfig(), lengths=(256,) * 16, vocab=151936, full=True)),
 ]
 
 
@@ -385,7 +224,7 @@ def _compare_loss(
 
 @pytest.mark.parametrize("case", GRPO_CASES)
 def test_grpo_loss(backend_name, case: GrpoCase, rlk_metrics):
-    _skip_unless_gpu(case.full)
+    skip_unless_gpu(case.full)
     run = CaseRun(backend_name, "grpo_loss", case.id, rlk_metrics)
     dtype = DTYPES[case.dtype]
     inputs = loss_inputs(case.tokens, case.vocab, dtype, seed=case.tokens, lengths=list(case.lengths))
@@ -426,10 +265,10 @@ class LinearCase:
 
 
 LINEAR_LOGP_CASES = [
-    _small(LinearCase("fp32", "fp32", False)),
-    _small(LinearCase("fp32-bias", "fp32", True)),
-    _small(LinearCase("bf16-bias", "bf16", True)),
-    _full(LinearCase("full-bf16-T4096-H4096-V151936", "bf16", False, tokens=4096, hidden=4096, vocab=151936, full=True)),
+    small_case(LinearCase("fp32", "fp32", False)),
+    small_case(LinearCase("fp32-bias", "fp32", True)),
+    small_case(LinearCase("bf16-bias", "bf16", True)),
+    full_case(LinearCase("full-bf16-T4096-H4096-V151936", "bf16", False, tokens=4096, hidden=4096, vocab=151936, full=True)),
 ]
 
 
@@ -449,7 +288,7 @@ def _leaves(*tensors: torch.Tensor | None, upcast: bool = False) -> list[torch.T
 
 @pytest.mark.parametrize("case", LINEAR_LOGP_CASES)
 def test_linear_logp(backend_name, case: LinearCase, rlk_metrics):
-    _skip_unless_gpu(case.full)
+    skip_unless_gpu(case.full)
     run = CaseRun(backend_name, "linear_logp", case.id, rlk_metrics)
     dtype = DTYPES[case.dtype]
     hidden, weight, bias, ids = _linear_inputs(case, dtype)
@@ -475,11 +314,11 @@ def test_linear_logp(backend_name, case: LinearCase, rlk_metrics):
 # -- linear_grpo_loss (hidden x LM head -> vime's loss; served by Liger's fused linear GRPO) --------
 
 LINEAR_GRPO_CASES = [
-    _small(LinearCase("k3-1sample-fp32", "fp32", True, tokens=24, config=LossConfig(**K3))),
-    _small(LinearCase("asym-tis-unbiased-1sample-fp32", "fp32", False, tokens=24,
+    small_case(LinearCase("k3-1sample-fp32", "fp32", True, tokens=24, config=LossConfig(**K3))),
+    small_case(LinearCase("asym-tis-unbiased-1sample-fp32", "fp32", False, tokens=24,
                       config=LossConfig(eps_clip=0.2, eps_clip_high=0.28, use_tis=True, use_unbiased_kl=True, **K3))),
-    _small(LinearCase("k3-3samples-fp32", "fp32", False, tokens=24, config=LossConfig(**K3), samples=3)),
-    _small(LinearCase("k3-1sample-bf16", "bf16", False, tokens=24, config=LossConfig(**K3))),
+    small_case(LinearCase("k3-3samples-fp32", "fp32", False, tokens=24, config=LossConfig(**K3), samples=3)),
+    small_case(LinearCase("k3-1sample-bf16", "bf16", False, tokens=24, config=LossConfig(**K3))),
 ]
 
 
