@@ -39,9 +39,9 @@ from pytest_rlk.e2e.spec import ABSpec, load_spec  # noqa: E402
 from suites.e2e.trl_ab_cases import (  # noqa: E402
     DENSE_CPU,
     MOE_CPU,
+    PERTURBED,
     PERTURB_ENV,
     PERTURB_ROLLOUTS,
-    PERTURBED,
     REPLAY_CPU,
     SMALL_GPU,
     assert_real_kernel_arm,

@@ -21,8 +21,8 @@ from kernels import LossConfig, device_errors, launch
 from kernels.contracts import GrpoLossCall
 from kernels.ops import grpo_loss as grpo_loss_op
 from suites.op.host_path_checks import (
-    assert_host_path_is_bitwise_the_python_path,
     FakeRuntime,
+    assert_host_path_is_bitwise_the_python_path,
     host_module_or_skip,
     host_path_replays,
 )

@@ -17,9 +17,9 @@ from kernels import device_errors, launch
 from kernels.contracts import LogpCall
 from kernels.ops import logp as logp_op
 from suites.op.host_path_checks import (
+    FakeRuntime,
     assert_host_path_is_bitwise_the_python_path,
     assert_node_matches_the_python_path,
-    FakeRuntime,
     host_module_or_skip,
     host_path_replays,
 )

@@ -27,8 +27,8 @@ from kernels.launch import CachedLaunch
 from kernels.ops import logp as logp_op
 from suites.op.launch_stand_ins import (
     Compiled,
-    jit,
     Normal,
+    jit,
     stand_ins,  # noqa: F401 (a fixture)
 )
 

@@ -25,10 +25,10 @@ from kernels.ops.linear_logp import linear_logp
 from kernels.reference.linear_logp import linear_logp as reference_linear_logp
 from pytest_rlk.e2e.processes import pythonpath_first
 from suites.op.linear_logp_cases import (
+    ODD_VOCAB,
     assert_linear_logp_close,
     linear_logp_inputs,
     logp_and_grads,
-    ODD_VOCAB,
     plan_of,
     workspace_budget,
 )

@@ -14,6 +14,7 @@ import kernels.library  # registers torch.ops.rlk.*
 from kernels.library import linear_logp as linear_logp_library
 from suites.op.rlk_op_cases import DEVICE
 from suites.op.torch_library_cases import (
+    V,
     assert_bitwise,
     dynamo_enabled,  # noqa: F401 (a fixture)
     gen,
@@ -21,7 +22,6 @@ from suites.op.torch_library_cases import (
     linear_logp_layout,
     rlk_triton,  # noqa: F401 (a fixture)
     run_with_grads,
-    V,
 )
 
 

@@ -19,18 +19,18 @@ import kernels
 import kernels.library  # registers torch.ops.rlk.*
 from kernels.library import torch_internals
 from suites.op.torch_library_cases import (
-    backend,  # noqa: F401 (a fixture)
     BACKENDS,
     CONFIG,
+    KERNELS_ON,
+    SWITCHES,
+    T,
+    V,
+    backend,  # noqa: F401 (a fixture)
     dynamo_enabled,  # noqa: F401 (a fixture)
     free_port,
     gen,
     inputs,
-    KERNELS_ON,
     run_with_grads,
-    SWITCHES,
-    T,
-    V,
 )
 
 
