@@ -18,6 +18,7 @@ import torch
 from kernels import tolerances
 from kernels.integrations import vime as adapter
 from suites.module.vime import conformance as cf
+from suites.module.vime import vime_files
 
 pytestmark = pytest.mark.vime
 
@@ -109,8 +110,8 @@ def test_per_call_metrics_survive_vime_reduction(name, per_token, vime_loss, vim
     backend marker and stage times must read as the per-call values after it."""
     import torch.distributed as dist
 
-    reduce_train_step_metrics = cf.source_function(vime_root, cf.TRAIN_METRIC_UTILS_FILE,
-                                                   "reduce_train_step_metrics", {"dist": dist, "torch": torch})
+    reduce_train_step_metrics = vime_files.source_function(vime_root, cf.TRAIN_METRIC_UTILS_FILE,
+                                                           "reduce_train_step_metrics", {"dist": dist, "torch": torch})
     overrides, _ = CONFIGURATIONS[name]
     args = cf.our_custom_loss_args(cf.vime_args(**overrides, calculate_per_token_loss=per_token))
     micro_batches = [cf.packed_batch(seed=s, response_lengths=lengths)

@@ -23,6 +23,7 @@ from kernels.integrations import vime as adapter
 from pytest_rlk.e2e import spec as spec_mod
 from pytest_rlk.e2e.engines.vime import commands as vime_commands
 from suites.module.vime import conformance as cf
+from suites.module.vime import vime_files
 
 pytestmark = pytest.mark.vime
 
@@ -41,7 +42,7 @@ def _train_argv(spec, lane, role: str, vime_root) -> list[str]:
     argv = (baseline if role == "baseline" else kernels_arm).argv
     start = next(i for i, a in enumerate(argv) if a.endswith(("train.py", "train_async.py")))
     script = spec.settings.model_args_script
-    return [*argv[start + 1:], *(cf.model_args(vime_root, script) if script else [])]
+    return [*argv[start + 1:], *(vime_files.model_args(vime_root, script) if script else [])]
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +53,7 @@ def parse(vime_root, parser_stand_ins):
     def run(path, lane, role):
         spec = _spec(path)
         try:
-            return cf.parse_train_argv(vime_root, _train_argv(spec, lane, role, vime_root), parser_stand_ins.preload)
+            return vime_files.parse_train_argv(vime_root, _train_argv(spec, lane, role, vime_root), parser_stand_ins.preload)
         except cf.VimeTreeError as exc:
             pytest.skip(f"vime's parser is not in this root: {exc}")
 
@@ -91,7 +92,7 @@ def test_parser_check_reports_unknown_flags(vime_root, parser_stand_ins):
     """The check itself: a flag no phase knows is reported; flags of each phase are not."""
     argv = ["--rollout-batch-size", "8", "--not-a-vime-flag", "3", "--attention-dropout", "0.0",
             "--debug-train-only", "--vllm-enable-deterministic-inference", "--loss-type", "custom_loss"]
-    parsed = cf.parse_train_argv(vime_root, argv, parser_stand_ins.preload)
+    parsed = vime_files.parse_train_argv(vime_root, argv, parser_stand_ins.preload)
     assert parsed.unknown == ["--not-a-vime-flag"]
     assert parsed.namespace.attention_dropout == 0.0 and parsed.namespace.loss_type == "custom_loss"
 
@@ -116,9 +117,9 @@ def test_arms_run_the_same_forwards(path, parse, vime_root):
         plans = {}
         for role in ROLES:
             args = Namespace(**vars(parse(path, lane, role).namespace))
-            cf.apply_validate_derivations(vime_root, args)
+            vime_files.apply_validate_derivations(vime_root, args)
             steps = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
-            plans[role] = cf.actor_forward_plan(vime_root, args, steps)
+            plans[role] = vime_files.actor_forward_plan(vime_root, args, steps)
         base, kern = plans["baseline"], plans["kernels"]
         assert base.extra_log_prob_forward == kern.extra_log_prob_forward, (
             f"{spec.case} ({lane}): the baseline {'runs' if base.extra_log_prob_forward else 'skips'} the extra "
@@ -144,16 +145,16 @@ def test_ci_test_specs_switch_dropout_off(path, parse):
         pytest.skip(f"{spec.case} does not run vime's --ci-test checks")
 
 
-def _init_hook_call_site(vime_root) -> cf.SourceStatement:
+def _init_hook_call_site(vime_root) -> vime_files.SourceStatement:
     """The ``if getattr(args, "custom_megatron_init_path", None): ...`` block at the end of vime's
     ``megatron_utils.initialize.init`` (the rest of init needs CUDA and a tokenizer)."""
-    return cf.source_statement(
+    return vime_files.source_statement(
         vime_root, cf.INITIALIZE_FILE, "init",
         lambda n: isinstance(n, ast.If) and "custom_megatron_init_path" in ast.unparse(n.test))
 
 
 @pytest.fixture
-def init_call_site(vime_root) -> cf.SourceStatement:
+def init_call_site(vime_root) -> vime_files.SourceStatement:
     cf.use_vime_root(vime_root, "vime.utils.misc")  # the call site imports vime's load_function
     return _init_hook_call_site(vime_root)
 
