@@ -23,7 +23,7 @@ planned while the public function is traced: kernels/library/serve.py.
 Under ``torch.compile`` the public functions call these operators; eager calls run the same
 backend implementations without the operator layer (a custom operator's dispatch costs tens of
 microseconds of host time per call, more than a small call's whole budget). The two give the same
-bits (suites/op/test_torch_library*.py).
+bits (suites/op/torch_library/).
 
 Registering them also tags torch.compile's caches with a digest of their definitions
 (kernels/library/compile_cache.py): a graph compiled against other versions of these operators is

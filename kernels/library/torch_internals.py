@@ -1,6 +1,6 @@
 """The private PyTorch APIs the operators rely on, in one place, each with why no public API does it.
 
-suites/op/test_torch_library_torch_internals.py::test_private_torch_apis_work calls each one and fails naming
+suites/op/torch_library/test_torch_library_torch_internals.py::test_private_torch_apis_work calls each one and fails naming
 the API if a PyTorch release removes or changes it (checked on torch 2.11-2.13).
 
 * :func:`autograd_inside`: autograd recording inside an operator's implementation. The

@@ -30,15 +30,13 @@ from kernels.library import grpo_loss as grpo_loss_library
 from kernels.library import logp as logp_library
 from kernels.library import ratio_kl as ratio_kl_library
 from suites.op.rlk_op_cases import DEVICE
-from suites.op.torch_library_cases import (
+from suites.op.torch_library.cases import (
     CONFIG,
     KERNELS_ON,
     SWITCHES,
     T,
     V,
     assert_bitwise,
-    backend,  # noqa: F401 (a fixture)
-    dynamo_enabled,  # noqa: F401 (a fixture)
     generic_split_forbidden,
     inputs,
     linear_logp_layout,

@@ -1,13 +1,12 @@
 """Stand-ins for Triton's launch machinery (a launcher recording its calls, a compiled kernel,
-``kernel[grid]``, the runtime) and the fixture that installs them, for the tests of kernels.launch."""
+``kernel[grid]``, the runtime), for the tests of kernels.launch; conftest.py's ``stand_ins`` installs
+them."""
 
 from __future__ import annotations
 
-import pytest
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from kernels import launch
 from kernels.launch import CachedLaunch
 
 
@@ -66,14 +65,3 @@ class Runtime:
 
     def plain(self):
         return not self.hooked
-
-
-@pytest.fixture
-def stand_ins(monkeypatch):
-    runtime = Runtime()
-    monkeypatch.setattr(launch, "_runtime", runtime)
-    monkeypatch.setattr(launch, "_disabled", None)
-    fast = jit()
-    normal = Normal()
-    fast.kernel = normal
-    return fast, normal, runtime

@@ -13,14 +13,11 @@ import kernels
 import kernels.library  # registers torch.ops.rlk.*
 from kernels.library import linear_logp as linear_logp_library
 from suites.op.rlk_op_cases import DEVICE
-from suites.op.torch_library_cases import (
-    V,
+from suites.op.torch_library.cases import (
     assert_bitwise,
-    dynamo_enabled,  # noqa: F401 (a fixture)
     gen,
     generic_split_forbidden,
     linear_logp_layout,
-    rlk_triton,  # noqa: F401 (a fixture)
     run_with_grads,
 )
 

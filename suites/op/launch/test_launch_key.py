@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import launch
-from suites.op.launch_stand_ins import jit
+from suites.op.launch.stand_ins import jit
 
 
 def _one_arg_fn(x):

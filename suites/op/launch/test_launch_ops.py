@@ -12,12 +12,12 @@ import pytest
 import torch
 import triton
 
-from rlk_op_cases import DEVICE, make_ids, make_logits
 from kernels import device_errors, launch
 from kernels.contracts import checks
 from kernels.launch import CachedLaunch
 from kernels.ops import logp as logp_op
 from kernels.ops import ratio_kl as ratio_kl_op
+from suites.op.rlk_op_cases import DEVICE, make_ids, make_logits
 
 
 # ---------------------------------------------------------------- the ops still reject bad input

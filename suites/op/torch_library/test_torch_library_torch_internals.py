@@ -18,15 +18,13 @@ import torch.multiprocessing as mp
 import kernels
 import kernels.library  # registers torch.ops.rlk.*
 from kernels.library import torch_internals
-from suites.op.torch_library_cases import (
+from suites.op.torch_library.cases import (
     BACKENDS,
     CONFIG,
     KERNELS_ON,
     SWITCHES,
     T,
     V,
-    backend,  # noqa: F401 (a fixture)
-    dynamo_enabled,  # noqa: F401 (a fixture)
     free_port,
     gen,
     inputs,

@@ -21,16 +21,11 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from rlk_op_cases import DEVICE
+from suites.op.rlk_op_cases import DEVICE
 from kernels import launch
 from kernels.launch import CachedLaunch
 from kernels.ops import logp as logp_op
-from suites.op.launch_stand_ins import (
-    Compiled,
-    Normal,
-    jit,
-    stand_ins,  # noqa: F401 (a fixture)
-)
+from suites.op.launch.stand_ins import Compiled, Normal, jit
 
 
 # ---------------------------------------------------------------- hit / miss / fallback with stand-ins

@@ -1,16 +1,13 @@
 """What the tests of the ops as PyTorch operators share: a tiny batch, the backends (the reference,
-rlk-triton strict), the fixtures that set them (and refuse to run with torch.compile disabled),
-outputs and gradients of a call, and a bitwise comparison."""
+rlk-triton strict; conftest.py's fixtures set them), outputs and gradients of a call, a bitwise
+comparison, linear_logp's residual layout and a stand-in that forbids the generic split."""
 
 from __future__ import annotations
 
-import os
 import socket
 
-import pytest
 import torch
 
-import kernels
 from kernels.contracts import LinearLogpCall, LossConfig
 from kernels.library import linear_logp as linear_logp_library
 from suites.op.rlk_op_cases import DEVICE
@@ -20,27 +17,6 @@ CONFIG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, kl_loss_coef=0.01)
 BACKENDS = ("reference", "rlk-triton")
 SWITCHES = ("VIME_RL_KERNEL", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_OPS", "VIME_RL_KERNEL_BACKEND")
 KERNELS_ON = {"VIME_RL_KERNEL": "1", "VIME_RL_KERNEL_STRICT": "1"}
-
-
-@pytest.fixture(autouse=True)
-def dynamo_enabled():
-    """torch.compile is a no-op under TORCHDYNAMO_DISABLE=1: the compile tests would pass vacuously."""
-    if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
-        pytest.fail("TORCHDYNAMO_DISABLE=1 in this process: torch.compile does nothing, so these tests prove nothing")
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    """Every switch cleared (the default: the reference), or the kernels on, strict."""
-    for name in SWITCHES:
-        monkeypatch.delenv(name, raising=False)
-    if request.param == "rlk-triton":
-        for name, value in KERNELS_ON.items():
-            monkeypatch.setenv(name, value)
-    kernels.reset_fallback_counts()
-    yield request.param
-    assert kernels.fallback_counts() == {}
-    torch._dynamo.reset()
 
 
 def gen(seed: int) -> torch.Generator:
@@ -65,18 +41,6 @@ def inputs(dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = V) ->
     for k in ("logits", "hidden", "weight", "bias"):
         out[k] = out[k].to(dtype)
     return out
-
-
-@pytest.fixture
-def rlk_triton(monkeypatch):
-    for name in SWITCHES:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in KERNELS_ON.items():
-        monkeypatch.setenv(name, value)
-    kernels.reset_fallback_counts()
-    yield
-    assert kernels.fallback_counts() == {}
-    torch._dynamo.reset()
 
 
 def free_port() -> int:
