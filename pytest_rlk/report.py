@@ -180,7 +180,7 @@ def performance_section(run: RunRecord, data: ReportData) -> list[str]:
         rows = []
         for case, name, arms in data.arm_scalars:
             values = list(arms.items())
-            (a, va), rest = values[0], values[1:]
+            (_, va), rest = values[0], values[1:]
             cells = "; ".join(f"{arm} {v:.4g}" for arm, v in values)
             rel = "; ".join(f"{arm} {(v - va) / abs(va):+.3g}" if va else f"{arm}: A is 0" for arm, v in rest) or "-"
             rows.append([case, name, cells, rel])
