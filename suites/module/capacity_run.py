@@ -137,6 +137,18 @@ def _measured(found: dict[str, Any], steps: int) -> Measured:
                     found["peak_bytes"])
 
 
+def probe_headroom(case: CapacityCase, device: torch.device) -> int | None:
+    """The bytes a probe may take above what it starts from (the search's line aims at it): on CUDA
+    the device's free memory once the cache is released; on CPU the MemoryCap stand-in's cap."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return case.cpu_cap_bytes
+
+
+def _peak_of(probe: Probe) -> int | None:
+    return probe.measured.get("peak_extra_bytes")
+
+
 def _say_nothing(message: str) -> None:
     return None
 
@@ -159,8 +171,10 @@ def run_arm(case: CapacityCase, arm: capacity_arms.Arm, device: torch.device, *,
             progress(f"{arm.name}: {tokens} tokens " + ("fit" if result.fits else "out of memory"))
             return result
 
+        headroom = probe_headroom(case, device)
         search = largest_fitting(probe_once, start=case.start, limit=case.limit, rel_tol=case.rel_tol,
-                                 quantum=case.quantum)
+                                 quantum=case.quantum, headroom_bytes=headroom,
+                                 peak_of=None if headroom is None else _peak_of)
         sizes = [n for n in case.common_sizes if search.largest is not None and n <= search.largest]
         if search.largest is not None and search.largest not in sizes:
             sizes.append(search.largest)

@@ -10,6 +10,10 @@ gradient. Under a 1.5 MiB cap the search found 48 tokens for vime's path, 64 for
 logits and 128 for ``linear_logp`` (2.7x; 2026-12-07, torch 2.13 CPU); the test asserts that
 ``linear_logp`` fits at least ``MIN_GAIN`` times vime's path, that the logits path does not, and that
 each search ends between a size that fit and one that did not, within 10%.
+
+The search's narrowing along the line of the peaks (``headroom_bytes``, ``peak_of``): two probes
+after doubling where the memory is affine in the tokens, never worse than bisection's result where
+the line is wrong.
 """
 
 from __future__ import annotations
@@ -65,6 +69,53 @@ def test_the_search_keeps_sizes_on_the_quantum_and_its_tolerance_is_configurable
     assert len(coarse.probes) < len(found.probes)
 
 
+def _affine_probe(base: int, per_token: int, headroom: int, calls: list[int], actual_headroom: int | None = None):
+    """Peak bytes ``base + per_token * tokens``; out of memory past ``actual_headroom`` (default
+    ``headroom``: the line tells the truth)."""
+    cap = headroom if actual_headroom is None else actual_headroom
+
+    def probe(tokens: int) -> Probe:
+        calls.append(tokens)
+        peak = base + per_token * tokens
+        if peak > cap:
+            return Probe(tokens, False, out_of_memory="out of memory")
+        return Probe(tokens, True, {"peak_extra_bytes": peak})
+
+    return probe
+
+
+def _peak(probe: Probe) -> int:
+    return probe.measured["peak_extra_bytes"]
+
+
+@pytest.mark.parametrize("headroom", [3_000_000, 5_000_000, 9_999_999, 64_000_000])
+def test_the_line_of_the_peaks_closes_the_bracket_in_two_probes(headroom):
+    guided, plain = [], []
+    kw = dict(start=512, limit=1 << 22, rel_tol=0.1, quantum=512)
+    found = largest_fitting(_affine_probe(400_000, 300, headroom, guided), headroom_bytes=headroom, peak_of=_peak,
+                            **kw)
+    bisected = largest_fitting(_affine_probe(400_000, 300, headroom, plain), **kw)
+    limit = (headroom - 400_000) // 300
+    assert found.largest <= limit < found.smallest_failing <= found.largest * 1.1 + 512
+    doubling = next(i for i, n in enumerate(guided) if n > limit) + 1  # the probes up to the first out of memory
+    assert len(guided) - doubling <= 2, guided
+    assert len(guided) <= len(plain), (guided, plain)
+    assert bisected.largest <= limit < bisected.smallest_failing
+
+
+@pytest.mark.parametrize("actual", [2_000_000, 4_200_000, 4_900_000, 7_000_000])
+def test_a_line_that_is_wrong_hands_the_search_to_bisection_and_the_result_stays_exact(actual):
+    """The line says 5 MB fit where the device holds ``actual`` (fragmentation, a workspace that
+    does not grow with the tokens): the result is still within 10% of the true limit."""
+    calls: list[int] = []
+    found = largest_fitting(_affine_probe(400_000, 300, 5_000_000, calls, actual_headroom=actual), start=512,
+                            limit=1 << 22, rel_tol=0.1, quantum=512, headroom_bytes=5_000_000, peak_of=_peak)
+    limit = (actual - 400_000) // 300
+    assert found.largest <= limit < found.smallest_failing
+    assert found.smallest_failing - found.largest <= max(512, 0.1 * found.largest)
+    assert len(calls) == len(set(calls))
+
+
 def test_nothing_fitting_and_the_limit_fitting_are_outcomes():
     none = largest_fitting(_threshold_probe(10, []), start=16, limit=1024)
     assert none.largest is None and none.smallest_failing == 16 and not none.bounded_by_limit
@@ -78,6 +129,10 @@ def test_bad_search_arguments_are_errors_naming_them():
         largest_fitting(probe, start=1, limit=8, rel_tol=0.0)
     with pytest.raises(ValueError, match="quantum=8, start=12"):
         largest_fitting(probe, start=12, limit=64, quantum=8)
+    with pytest.raises(ValueError, match="headroom_bytes and peak_of come together"):
+        largest_fitting(probe, start=1, limit=8, headroom_bytes=1 << 20)
+    with pytest.raises(ValueError, match="headroom_bytes must be > 0, got 0"):
+        largest_fitting(probe, start=1, limit=8, headroom_bytes=0, peak_of=_peak)
 
 
 @pytest.mark.parametrize("oom", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.3 GiB"),
