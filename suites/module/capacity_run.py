@@ -5,7 +5,9 @@ A step: ``forward`` (the arm's model part), ``loss`` (its log-prob and loss), ``
 ``optimizer`` (grad-norm clip at 1.0 and AdamW), each timed by ``train_step.synced_timer`` (the
 device synchronized at both ends). Peak memory: on CUDA the allocator's peak over the step, in
 all (``peak_bytes``) and above what was allocated when the probe started (``peak_extra_bytes``:
-the model, its optimizer states); on CPU the ``MemoryCap`` stand-in's peak (``peak_extra_bytes``).
+the model, its optimizer states), and the allocator's reserved peak above its start
+(``peak_reserved_extra_bytes``, what the search's line aims at the free memory with); on CPU the
+``MemoryCap`` stand-in's peak (``peak_extra_bytes``).
 
 A probe of the search runs one step; a size that is measured runs one more step first (its
 warm-up at that shape: Triton's autotuning, the allocator's first blocks) and reports the median
@@ -112,6 +114,7 @@ def _steps_at(case: CapacityCase, model, optimizer, arm, device, tokens: int, st
     """``1 + steps`` steps at ``tokens`` (the first a probe or a warm-up), their times and the peak."""
     cap = MemoryCap(case.cpu_cap_bytes) if device.type == "cpu" else None
     start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    start_reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     walls = []
     with cap if cap is not None else contextlib.nullcontext():
         try:
@@ -125,7 +128,9 @@ def _steps_at(case: CapacityCase, model, optimizer, arm, device, tokens: int, st
         del mb
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        return {"tokens": actual, "walls": walls, "peak_bytes": peak, "peak_extra_bytes": peak - start_bytes}
+        reserved = torch.cuda.max_memory_reserved(device) - start_reserved  # what meets the device's limit
+        return {"tokens": actual, "walls": walls, "peak_bytes": peak, "peak_extra_bytes": peak - start_bytes,
+                "peak_reserved_extra_bytes": reserved}
     return {"tokens": actual, "walls": walls, "peak_bytes": None, "peak_extra_bytes": cap.peak_bytes}
 
 
@@ -146,7 +151,10 @@ def probe_headroom(case: CapacityCase, device: torch.device) -> int | None:
 
 
 def _peak_of(probe: Probe) -> int | None:
-    return probe.measured.get("peak_extra_bytes")
+    """A fitting probe's memory in the terms of ``probe_headroom``: on CUDA what the allocator reserved
+    above its start (the blocks, fragmentation included, that meet the device's limit), on CPU the cap's peak."""
+    measured = probe.measured
+    return measured.get("peak_reserved_extra_bytes", measured.get("peak_extra_bytes"))
 
 
 def _say_nothing(message: str) -> None:

@@ -116,6 +116,14 @@ def test_a_line_that_is_wrong_hands_the_search_to_bisection_and_the_result_stays
     assert len(calls) == len(set(calls))
 
 
+def test_the_line_reads_the_reserved_peak_where_the_allocator_reports_one():
+    from suites.module import capacity_run
+
+    cuda = Probe(4096, True, {"peak_extra_bytes": 10, "peak_reserved_extra_bytes": 12})
+    assert capacity_run._peak_of(cuda) == 12  # the blocks that meet the device's limit
+    assert capacity_run._peak_of(Probe(4096, True, {"peak_extra_bytes": 10})) == 10  # the CPU cap's peak
+
+
 def test_nothing_fitting_and_the_limit_fitting_are_outcomes():
     none = largest_fitting(_threshold_probe(10, []), start=16, limit=1024)
     assert none.largest is None and none.smallest_failing == 16 and not none.bounded_by_limit
