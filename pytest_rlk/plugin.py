@@ -1,9 +1,10 @@
 """pytest hooks of pytest-rlk (thin: the logic lives in the plain modules beside this one).
 
 Exit status: pytest's own rules apply. ``pytest --rlk-tier=e2e -m h200`` on a CPU machine exits 0
-because the h200 tests are collected and *skipped* with reasons (never deselected); exit 5 ("no
-tests collected") is left untouched, because a selection that matches nothing is a real error
-in a CI command line.
+because the h200 tests are collected and *skipped* with reasons (never deselected); likewise a
+tier skipped at collection with its reason (its conftest needs torch, missing here) exits 0, with
+the reason in the rlk section. Exit 5 ("no tests collected") stays for a selection that matches
+nothing or deselects what was there, a real error in a CI command line (``skips.exit_status``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_rlk import hookspec, markers, options, records, shard_hooks, sharding, storage
+from pytest_rlk import hookspec, markers, options, records, shard_hooks, sharding, skips, storage
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import session as rlk_session
 from pytest_rlk._kernels_guard import check_imported_kernels
@@ -366,9 +367,9 @@ def pytest_make_collect_report(collector):
     pytest's count: the run records it too, so the summary's skips add up to pytest's."""
     report = yield
     state = collector.config.stash.get(STATE, None)
-    if report.skipped and report.nodeid and state is not None and collector.config.option.collectonly:
-        state.collect_only_skips.append((report.nodeid, records.skip_reason_of(report)))
-    elif report.skipped and report.nodeid and state is not None and state.writer is not None:
+    if report.skipped and report.nodeid and state is not None:
+        state.collection_skips.append((report.nodeid, records.skip_reason_of(report)))
+    if report.skipped and report.nodeid and state is not None and state.writer is not None:
         state.writer.add(TestRecord(
             nodeid=report.nodeid, case=case_from_nodeid(report.nodeid),
             tier=markers.tier_of(Path(report.nodeid), ()), outcome="skipped",
@@ -379,6 +380,9 @@ def pytest_make_collect_report(collector):
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     state = config.stash.get(STATE, None)
+    if state is not None:
+        deselected = state.deselected_by_selection + sum(state.deselected.values())
+        session.exitstatus = exitstatus = skips.exit_status(exitstatus, len(state.collection_skips), deselected)
     if state is None or state.worker is not None or state.run_dir is None or config.option.collectonly:
         return
     state.signals.finishing()
@@ -396,9 +400,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     commands to report are the last lines above pytest's count."""
     result = yield
     state = config.stash.get(STATE, None)
-    if state is not None and state.collect_only_skips:  # --co makes no run: say what was not collected
+    if state is not None and state.collection_skips and config.option.collectonly:  # no run: say what was skipped
         terminalreporter.section("rlk")
-        for nodeid, why in state.collect_only_skips:
+        for nodeid, why in state.collection_skips:
             terminalreporter.write_line(f"skipped at collection: {nodeid}: {why}")
     if state is None or state.run is None:
         return result

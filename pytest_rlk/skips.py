@@ -30,6 +30,19 @@ _HARDWARE = re.compile(r"\bCUDA\b|\bGPUs?\b|\bcuda\b")
 _CAPABILITY = re.compile(r"^[\w.-]+/[\w.+-]+: |does not implement|not supported|unsupported")
 
 
+NO_TESTS_COLLECTED, OK = 5, 0  # pytest.ExitCode's values
+
+
+def exit_status(status: int, collection_skips: int, deselected: int) -> int:
+    """pytest's exit status, except where nothing was collected because what the run selected was
+    skipped at collection with its reason (a tier that needs torch, on a machine without it): that
+    exits 0, as a GPU test skipped on a CPU does. A selection that matched nothing, or that
+    deselected what was there, keeps exit 5."""
+    if status == NO_TESTS_COLLECTED and collection_skips and not deselected:
+        return OK
+    return status
+
+
 def skip_cause(test: TestRecord) -> str:
     if test.unserved:
         return HARDWARE

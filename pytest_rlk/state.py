@@ -32,7 +32,7 @@ class RlkState:
     current_test: str | None = None  # the test being set up or run (named by progress lines)
     gpu_shards: dict[str, str] = field(default_factory=dict)  # --rlk-shard-gpus: worker -> its GPUs
     signals: StopSignals = field(default_factory=StopSignals)
-    collect_only_skips: list[tuple[str, str]] = field(default_factory=list)  # --co: (nodeid, why), no run
+    collection_skips: list[tuple[str, str]] = field(default_factory=list)  # (nodeid, why) skipped at collection
 
 
 STATE = pytest.StashKey[RlkState]()

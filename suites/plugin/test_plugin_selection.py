@@ -375,13 +375,36 @@ def test_a_path_option_pytest_took_for_its_rootdir_is_a_usage_error(rlk_pytester
     rlk_pytester.runpytest("--rlk-artifacts", str(rlk_pytester.path / "runs")).assert_outcomes(passed=1)  # not there yet
 
 
-def test_collect_only_names_what_a_tier_skipped_at_collection(rlk_pytester):
-    """`pytest --co` makes no run: a tier whose conftest skips (torch missing) says why, not only
-    `no tests collected`."""
-    rlk_pytester.makepyfile(**{
+def _tier_skipped_at_collection(pytester):
+    pytester.makepyfile(**{
         "suites/op/conftest": "import pytest\npytest.importorskip('rlk_no_such_module', reason='this tier needs it')\n",
         "suites/op/test_o": TEST_BODY.format(name="o"),
     })
+
+
+def test_collect_only_names_what_a_tier_skipped_at_collection(rlk_pytester):
+    """`pytest --co` makes no run: a tier whose conftest skips (torch missing) says why, not only
+    `no tests collected`, and exits 0: the selection matched a tier, which was skipped with its reason."""
+    _tier_skipped_at_collection(rlk_pytester)
     result = rlk_pytester.runpytest("--strict-markers", "--co")
-    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(["*= rlk =*", "skipped at collection: suites/op: this tier needs it"])
+
+
+def test_a_tier_skipped_at_collection_exits_0(rlk_pytester):
+    _tier_skipped_at_collection(rlk_pytester)
+    result = rlk_pytester.runpytest()
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(skipped=1)  # pytest counts the directory skipped at collection
+    assert latest_run(rlk_pytester).exit_status == 0
+
+
+
+def test_a_module_skipped_at_collection_beside_a_deselected_test_keeps_exit_5(rlk_pytester):
+    rlk_pytester.makepyfile(**{
+        "suites/op/test_o": "import pytest\npytest.importorskip('rlk_no_such_module')\n",
+        "elsewhere/test_marked": "import pytest\n\n@pytest.mark.e2e\ndef test_marked():\n    pass\n",
+    })
+    result = rlk_pytester.runpytest()  # the op tier: the e2e-marked test is deselected
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.assert_outcomes(skipped=1, deselected=1)

@@ -6,7 +6,16 @@ import pytest
 from rlk_plugin_testing import latest_run
 
 from pytest_rlk.schema import TestRecord
-from pytest_rlk.skips import CAPABILITY, HARDWARE, MISSING_PACKAGE, OTHER, skip_cause, skip_lines, skips_by_cause
+from pytest_rlk.skips import (
+    CAPABILITY,
+    HARDWARE,
+    MISSING_PACKAGE,
+    OTHER,
+    exit_status,
+    skip_cause,
+    skip_lines,
+    skips_by_cause,
+)
 
 SKIPPING = """
 import pytest
@@ -128,3 +137,11 @@ def test_every_reason_is_printed():
     assert lines[0] == "skipped: 10 (hardware/resources 10)"
     assert sorted(lines[1:]) == sorted(f"  hardware/resources: 1 x needs {n} GPUs (found 0)" for n in range(2, 12))
     assert not any("more under" in line for line in lines)
+
+
+def test_exit_5_turns_0_only_where_the_selection_was_skipped_at_collection_with_its_reason():
+    assert exit_status(5, collection_skips=1, deselected=0) == 0  # a tier that needs torch, without it
+    assert exit_status(5, collection_skips=0, deselected=0) == 5  # a selection that matched nothing
+    assert exit_status(5, collection_skips=1, deselected=2) == 5  # it deselected what was there
+    assert exit_status(1, collection_skips=1, deselected=0) == 1  # a failure stays a failure
+    assert exit_status(0, collection_skips=3, deselected=0) == 0
