@@ -367,13 +367,15 @@ def pytest_make_collect_report(collector):
     pytest's count: the run records it too, so the summary's skips add up to pytest's."""
     report = yield
     state = collector.config.stash.get(STATE, None)
-    if report.skipped and report.nodeid and state is not None:
-        state.collection_skips.append((report.nodeid, records.skip_reason_of(report)))
-    if report.skipped and report.nodeid and state is not None and state.writer is not None:
+    if not (report.skipped and report.nodeid and state is not None):
+        return report
+    why = records.skip_reason_of(report)
+    state.collection_skips.append((report.nodeid, why))
+    if state.writer is not None:
         state.writer.add(TestRecord(
             nodeid=report.nodeid, case=case_from_nodeid(report.nodeid),
             tier=markers.tier_of(Path(report.nodeid), ()), outcome="skipped",
-            skip_reason=records.skip_reason_of(report), worker=state.worker or "main"))
+            skip_reason=why, worker=state.worker or "main"))
     return report
 
 

@@ -189,9 +189,9 @@ def runs_in_all_gpu_phase(marks: Iterable[tuple[str, tuple]], *, unserved: bool,
 
 def release_cached_gpu_memory() -> bool:
     """Return torch's cached GPU blocks to the driver (True where it did). Where workers share a
-    GPU, the blocks one worker's test left in its caching allocator are memory the other workers'
-    tests cannot have: without this, four workers on one 80 GB H100 ran out of memory with most of
-    it cached. Torch is never imported here; a worker that has not used CUDA has nothing to return."""
+    GPU, the blocks one worker's test leaves in its caching allocator are memory the other workers'
+    tests cannot have (four workers on one 80 GB H100 hold most of it cached otherwise). Torch is
+    never imported here; a worker that has not used CUDA has nothing to return."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_initialized():

@@ -224,17 +224,23 @@ def _two_gpu_node_and_its_serial_run(rlk_pytester, monkeypatch) -> Path:
     return latest_run_dir(rlk_pytester)
 
 
+def _sharded_run(pytester, monkeypatch, name: str, *args: str):
+    """``-n auto --rlk-shard-gpus ARGS`` in a subprocess, each test's GPU use logged: (the result,
+    the run's directory, the log); the run passed."""
+    log = pytester.path / f"{name}.jsonl"
+    monkeypatch.setenv("SHARD_LOG", str(log))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "auto", "--rlk-shard-gpus", *args)
+    assert result.ret == 0
+    return result, latest_run_dir(pytester), log
+
+
 def test_sharded_run_pins_each_worker_and_matches_the_serial_run(rlk_pytester, monkeypatch, capsys):
     serial = _two_gpu_node_and_its_serial_run(rlk_pytester, monkeypatch)
 
-    log = rlk_pytester.path / "sharded.jsonl"
-    monkeypatch.setenv("SHARD_LOG", str(log))
-    result = rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "auto", "--rlk-shard-gpus")
-    assert result.ret == 0
+    result, sharded, log = _sharded_run(rlk_pytester, monkeypatch, "sharded")
     result.stdout.fnmatch_lines(["*created: 2/2 workers*", "*all-GPU phase: 1 test that needs more than one GPU"
                                  " or a GPU to itself, alone on the node with GPUs 3,5 visible",
                                  "*all-GPU phase: 1 passed"])
-    sharded = latest_run_dir(rlk_pytester)
     run = storage.load_run(sharded / "run.json")
     assert run.status == "complete" and len(run.tests) == 10
     assert run.manifest.gpu_shards == {"gw0": "3", "gw1": "5", "all-gpus": "3,5"}
@@ -273,15 +279,10 @@ def test_workers_sharing_each_gpu_leave_the_benchmarks_to_the_all_gpu_phase(rlk_
     by side; the benchmarks and the TP=2 test run after them, alone, with the serial run's results."""
     serial = _two_gpu_node_and_its_serial_run(rlk_pytester, monkeypatch)
 
-    log = rlk_pytester.path / "shared.jsonl"
-    monkeypatch.setenv("SHARD_LOG", str(log))
-    result = rlk_pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "auto", "--rlk-shard-gpus",
-                                               "--rlk-workers-per-gpu=2")
-    assert result.ret == 0
+    result, shared, log = _sharded_run(rlk_pytester, monkeypatch, "shared", "--rlk-workers-per-gpu=2")
     result.stdout.fnmatch_lines(["*created: 4/4 workers*", "*all-GPU phase: 3 tests that need more than one GPU"
                                  " or a GPU to themselves, alone on the node with GPUs 3,5 visible",
                                  "*all-GPU phase: 3 passed"])
-    shared = latest_run_dir(rlk_pytester)
     run = storage.load_run(shared / "run.json")
     assert run.manifest.gpu_shards == {"gw0": "3", "gw1": "5", "gw2": "3", "gw3": "5", "all-gpus": "3,5"}
     usage = _usage(log)
