@@ -246,7 +246,19 @@ def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
 
 
+CPU_MACHINE = '''
+pytest_plugins = ["pytest_rlk.plugin"]
+from pytest_rlk.schema import PlatformInfo
+
+def pytest_rlk_platform(config):  # what detection reports on a machine without a GPU
+    return PlatformInfo(tag="cpu", detected_tag="cpu")
+'''
+
+
 def test_platform_override_serves_the_marker(rlk_pytester):
+    """The override names the platform; the GPU memory stays the machine's, so the machine is
+    pinned here and the test holds on a GPU host too."""
+    rlk_pytester.makeconftest(CPU_MACHINE)
     rlk_pytester.makepyfile(**{"suites/e2e/test_hw": HARDWARE_TESTS})
     result = rlk_pytester.runpytest("--rlk-tier=e2e", "-m", "h200", "--rlk-platform=h200")
     # the h200 test and the cpu one run; the GPU-memory and checkpoint ones still skip
@@ -367,7 +379,9 @@ def test_a_path_option_pytest_took_for_its_rootdir_is_a_usage_error(rlk_pytester
     rlk_pytester.makepyprojecttoml('[tool.pytest.ini_options]\ntestpaths = ["suites"]\n')
     rlk_pytester.makepyfile(**{"suites/op/test_one": TEST_BODY.format(name="one")})
     outside = tmp_path_factory.mktemp("runs_elsewhere")
-    result = rlk_pytester.runpytest("--rlk-artifacts", str(outside))
+    # The project's conftest is not read here, so the plugin comes by name, as from its entry
+    # point where the package is installed (a GPU host runs the checkout uninstalled).
+    result = rlk_pytester.runpytest("-p", "pytest_rlk.plugin", "--rlk-artifacts", str(outside))
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: --rlk-artifacts {outside}: pytest took * for a test path and its rootdir*"
                                  f"write --rlk-artifacts={outside}"])
