@@ -21,6 +21,7 @@ from pytest_rlk.manifest import kernel_backend_ids, kernel_fallback_counts, utc_
 from pytest_rlk.schema import PartFile, RunManifest, RunRecord, RunStatus, TestRecord
 
 PARTS = "parts"
+ALL_GPU_WORKER = "all-gpus"  # the part file (and TestRecord.worker) of the all-GPU phase
 TESTS = "tests"
 FILES = "files"
 
@@ -82,7 +83,11 @@ def merge_run(run_dir: Path, *, status: RunStatus | None = None,
     tests = list({t.nodeid: t for part in reversed(parts) for t in reversed(part.tests)}.values())[::-1]
     deselected: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
-    collected = max((p.collected for p in parts if p.collected is not None), default=None)
+    # every xdist worker collects the same tests (less those held back); the all-GPU phase
+    # collects those held back
+    shared = [p.collected for p in parts if p.collected is not None and p.worker != ALL_GPU_WORKER]
+    held = [p.collected for p in parts if p.collected is not None and p.worker == ALL_GPU_WORKER]
+    collected = None if not shared and not held else max(shared, default=0) + sum(held)
     files = {k: v for part in parts for k, v in part.files.items()}
     backend_ids = list(header.manifest.kernel_backend_ids)
     for part in parts:

@@ -37,10 +37,9 @@ from typing import TypeVar
 from pytest_rlk import storage
 from pytest_rlk._kernels_guard import import_project_settings
 from pytest_rlk.schema import PlatformInfo
-from pytest_rlk.session import PARTS
+from pytest_rlk.session import ALL_GPU_WORKER, PARTS
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
-ALL_GPU_WORKER = "all-gpus"  # the part file (and TestRecord.worker) of the all-GPU phase
 NODEIDS_FILE = "all-gpu-nodeids.txt"  # in the run dir: what the all-GPU phase runs
 WORKEROUTPUT_KEY = "rlk_all_gpu_nodeids"
 _GPU_KEY, _INIPATH_KEY = "rlk_gpu", "rlk_inipath"  # what the controller tells each worker

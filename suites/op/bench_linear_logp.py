@@ -274,8 +274,14 @@ def test_linear_logp_accuracy_and_workspace_at_lm_head_shape(rlk_metrics, monkey
                         f"tolerance {logp_tol.atol:.0e}, tensor-core products {tc_err:.2e}) and eager bf16: {failed}")
 
 
+# The speed at peaked logits is a labelled variant (-m bench_full): the op's work (three matrix
+# products and a log-sum-exp per chunk) does not depend on the logits, and the nightly's serial
+# phase spends 31 s on it; the accuracy test keeps both kinds of logits in the nightly.
+SPEED_LOGITS = [pytest.param(name, marks=pytest.mark.bench_full) if name != "random" else name for name in LOGITS]
+
+
 @pytest.mark.bench
-@pytest.mark.parametrize("logits", list(LOGITS))
+@pytest.mark.parametrize("logits", SPEED_LOGITS)
 @pytest.mark.parametrize("pass_name", ["fwd", "fwd+bwd"])
 def test_linear_logp_speed_vs_peers(rlk_metrics, monkeypatch, pass_name, logits):
     """Times and peak extra memory of ours (each budget) and the peers, recorded through

@@ -35,6 +35,19 @@ def test_parts_merge_and_are_idempotent(tmp_path):
     assert (tmp_path / "runs" / "latest").resolve() == run_dir.resolve()
 
 
+def test_the_collected_count_adds_the_all_gpu_phase_to_the_workers(tmp_path):
+    """Each xdist worker collects the tests less those held back for the all-GPU phase, which
+    collects exactly those: a partial run reads "N of (workers' count + held back)"."""
+    run_dir = _start(tmp_path)
+    for worker, collected in (("gw0", 10), ("gw1", 10), (session.ALL_GPU_WORKER, 3)):
+        writer = session.PartWriter(run_dir, worker)
+        writer.set_collected(collected)
+        writer.add(_test(f"t{worker}", 1.0))
+    run = session.merge_run(run_dir, status="interrupted", exit_status=2)
+    assert run.collected == 13
+    assert run.describe_status() == "interrupted: partial, 3 of 13 tests recorded"
+
+
 def test_running_run_of_a_live_controller_is_not_called_crashed(tmp_path):
     run_dir = _start(tmp_path)  # this process is the controller, and it is alive
     assert session.merge_run(run_dir).status == "running"
