@@ -1,4 +1,6 @@
-"""``rlk baselines recommend RUN...`` and ``rlk baselines distrust RUN`` (pytest_rlk.history).
+"""``rlk baselines recommend RUN...``, ``rlk baselines distrust RUN`` (pytest_rlk.history) and
+``rlk baselines update RUN`` (pytest_rlk.gate: a recorded run's tests written as
+``--rlk-update-baselines`` writes them).
 
 Exit codes: 0 done, 2 runs that cannot make a band (named) or an unreadable file.
 """
@@ -10,7 +12,10 @@ from pathlib import Path
 
 from pytest_rlk import storage
 from pytest_rlk.bands import NOISE_RULE
+from pytest_rlk.gate import UpdateError, update_from_run
 from pytest_rlk.history import HistoryError, distrust, recommend, write_recommendations
+from pytest_rlk.options import UPDATE_MODES
+from pytest_rlk.schema import Verdict
 
 
 def _fmt(x: float) -> str:
@@ -70,8 +75,27 @@ def cmd_distrust(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_update(args: argparse.Namespace) -> int:
+    path = storage.resolve_run_file(args.run, args.artifacts)
+    run = storage.load_run(path)
+    try:
+        outcomes = update_from_run(run, args.baselines, mode=args.mode, cases=args.case)
+    except UpdateError as exc:
+        print(f"rlk baselines update: error: {path}: {exc}", file=sys.stderr)
+        return 2
+    if run.partial:  # each record is whole; the tests it lacks are left as they are
+        print(f"{path}: {run.describe_status()}: only the tests it recorded are written")
+    written = [o.result for o in outcomes if o.result.baseline_written]
+    for result in written:
+        changed = [c.name for c in result.comparisons if c.verdict is not Verdict.PASS]
+        print(f"wrote {result.baseline_path}" + (f" ({', '.join(changed)})" if changed else ""))
+    print(f"{len(written)} of {len(outcomes)} baselines written (--mode {args.mode}) from run "
+          f"{run.manifest.run_id} on {run.manifest.platform.tag}")
+    return 0
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("baselines", help="bands from measured noise: recommend from runs, distrust a run")
+    parser = sub.add_parser("baselines", help="bands from measured noise: recommend from runs, distrust a run; update from a run")
     cmds = parser.add_subparsers(dest="baselines_command", required=True, metavar="ACTION")
 
     rec = cmds.add_parser("recommend", help=f"per metric mean, sd, min, max and a band from >= "
@@ -85,3 +109,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     dis.add_argument("run", metavar="RUN", help="a run id (as the baselines' histories name it) or a run dir")
     dis.add_argument("--baselines", type=Path, default=Path("baselines"), help="default: baselines/")
     dis.set_defaults(func=cmd_distrust)
+
+    upd = cmds.add_parser("update", help="write baselines from a recorded run's tests, as --rlk-update-baselines "
+                          "does, without running them again")
+    upd.add_argument("run", metavar="RUN", help="a run dir, run.json file or run id")
+    upd.add_argument("--mode", choices=UPDATE_MODES, default="failed",
+                     help="failed (default): only baselines that fail or are out of date, keeping the references "
+                          "that pass; all: every gated test's baseline")
+    upd.add_argument("--case", action="append", default=[], metavar="GLOB",
+                     help="a glob on the case or the node id (repeatable); default: every gated test of the run")
+    upd.add_argument("--baselines", type=Path, default=Path("baselines"), help="default: baselines/")
+    upd.set_defaults(func=cmd_update)

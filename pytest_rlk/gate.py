@@ -12,13 +12,17 @@ it gates from its first run. A case whose baseline has a band resting on fewer t
 """
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_rlk import storage
 from pytest_rlk.compare import baseline_metric_from, compare_to_baseline
 from pytest_rlk.history import one_run_history
-from pytest_rlk.schema import BASELINE_SCHEMA_VERSION, Baseline, GateResult, TestRecord, Verdict
+from pytest_rlk.options import UPDATE_MODES
+from pytest_rlk.schema import (BASELINE_SCHEMA_VERSION, Baseline, GateResult, PlatformInfo, RunManifest, RunRecord,
+                               TestRecord, Verdict)
 
 UNTIERED = "untiered"
 _REWRITE_IN_FAILED_MODE = (Verdict.REGRESSION, Verdict.MISSING_METRIC, Verdict.MISSING_BASELINE,
@@ -98,3 +102,41 @@ def _write(path: Path, record: TestRecord, tier: str, settings: GateSettings,
     storage.write_baseline(path, Baseline(
         schema_version=BASELINE_SCHEMA_VERSION, tier=tier, case=record.case, platform=settings.platform,
         provenance=provenance, metrics=metrics, history=one_run_history(provenance, metrics, old)))
+
+
+def provenance_of(manifest: RunManifest, platform: PlatformInfo) -> dict[str, object]:
+    """What a baseline written from a run says of where its values come from."""
+    return {"run_id": manifest.run_id, "created_utc": manifest.created_utc, "suite_commit": manifest.suite_commit,
+            "suite_dirty": manifest.suite_dirty, "vime_commit": manifest.vime_commit,
+            "kernel_backend_ids": manifest.kernel_backend_ids,
+            "software": {k: v for k, v in manifest.software.items() if v is not None},
+            "platform": platform.model_dump(exclude={"devices"})}
+
+
+class UpdateError(ValueError):
+    """A run that cannot write the baselines asked of it (the message names what and why)."""
+
+
+def update_from_run(run: RunRecord, baselines: Path, *, mode: str,
+                    cases: Sequence[str] = ()) -> list[GateOutcome]:
+    """``--rlk-update-baselines=MODE`` applied to a recorded run's tests, without running them
+    again: the same writer, the run's own manifest as the provenance. ``cases``: glob patterns on
+    the case or the node id (none: every gated test). Only passed tests of real cases write: a
+    selected case that failed, or one whose test runs an injected fault, is an error."""
+    if mode not in UPDATE_MODES:
+        raise UpdateError(f"unknown mode {mode!r}; valid modes: {', '.join(UPDATE_MODES)}")
+    gated = [t for t in run.tests if any(m.gate for m in t.metrics)]
+    chosen = [t for t in gated if not cases or any(fnmatch.fnmatchcase(t.case, c) or fnmatch.fnmatchcase(t.nodeid, c)
+                                                   for c in cases)]
+    unmatched = [c for c in cases if not any(fnmatch.fnmatchcase(t.case, c) or fnmatch.fnmatchcase(t.nodeid, c)
+                                             for t in gated)]
+    if unmatched:
+        raise UpdateError(f"no gated test of run {run.manifest.run_id} matches {', '.join(map(repr, unmatched))}")
+    bad = [f"{t.nodeid} ({t.outcome})" for t in chosen if t.outcome != "passed"]
+    bad += [f"{t.nodeid} (injected fault: {t.injected_fault})" for t in chosen if t.injected_fault]
+    if bad:
+        raise UpdateError("only a real case that passed can write its baseline: " + "; ".join(bad))
+    platform = run.manifest.platform
+    provenance = provenance_of(run.manifest, platform)
+    return [gate_test(t, GateSettings(baselines=baselines, platform=t.gated_platform(platform.tag), update=mode),
+                      provenance) for t in chosen]

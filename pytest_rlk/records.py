@@ -5,6 +5,7 @@ from __future__ import annotations
 from pytest_rlk import platform as rlk_platform
 from pytest_rlk import sharding, storage
 from pytest_rlk.failures import report_failure
+from pytest_rlk.gate import provenance_of
 from pytest_rlk.recorder import case_from_nodeid
 from pytest_rlk.schema import TestRecord
 from pytest_rlk.state import BACKEND_SEEN, GATE, GATE_ERROR, RECORDER, STATE, TIER, UNSERVED, RlkState
@@ -42,15 +43,11 @@ def build_test_record(item, outcome: str, *, duration: float = 0.0, skip_reason:
 
 def provenance(state: RlkState) -> dict[str, object]:
     if state.provenance is None:
-        prov: dict[str, object] = {}
         if state.run_dir is not None:
-            m = storage.load_run(state.run_dir / storage.RUN_FILE).manifest
-            prov = {"run_id": m.run_id, "created_utc": m.created_utc, "suite_commit": m.suite_commit,
-                    "suite_dirty": m.suite_dirty, "vime_commit": m.vime_commit,
-                    "kernel_backend_ids": m.kernel_backend_ids,
-                    "software": {k: v for k, v in m.software.items() if v is not None}}
-        prov["platform"] = state.platform.model_dump(exclude={"devices"})
-        state.provenance = prov
+            manifest = storage.load_run(state.run_dir / storage.RUN_FILE).manifest
+            state.provenance = provenance_of(manifest, state.platform)
+        else:
+            state.provenance = {"platform": state.platform.model_dump(exclude={"devices"})}
     return state.provenance
 
 
