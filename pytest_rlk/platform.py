@@ -1,6 +1,7 @@
 """Hardware detection -> :class:`PlatformInfo` (platform tag h100/h200/a100/gb200/other-gpu/cpu)."""
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -49,6 +50,7 @@ def tag_for(name: str, capability: tuple[int, int] | None, memory_bytes: int) ->
     return "other-gpu"
 
 
+@functools.cache  # the driver does not change under a process; NVML init and shutdown cost each call
 def _nvml_driver() -> str | None:
     if importlib.util.find_spec("pynvml") is None:
         return None

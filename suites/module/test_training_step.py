@@ -166,7 +166,7 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, pro
              kernels_backend: bool | str = True) -> list[str]:
     """The three arms on one rollout batch: reference, control (the reference one ulp off) and
     kernels (``kernels_backend``); records the metrics; returns :func:`divergence_problems`."""
-    with progress.step(f"build a tiny {case.kind} model, sample a rollout"):
+    with progress.step(f"build the {case.kind} model (vocab {case.vocab_size}), sample a rollout"):
         base = tiny.build_model(case.kind, seed=SEED, vocab_size=case.vocab_size, size=case.size,
                                 dtype=case.dtype, device=device)
         rollout = train_step.sample_rollout(base, _prompts(case.n_prompts, case.vocab_size),
