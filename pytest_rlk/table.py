@@ -147,6 +147,28 @@ def missing_baseline_lines(run: RunRecord, results: Iterable[GateResult]) -> lis
             f"  {record_command(run)}"]
 
 
+def refresh_lines(run: RunRecord, run_dir: Path) -> list[str]:
+    """The command that refreshes, from this run, the baselines its gate calls out of date (a
+    passed real case with a metric improved beyond its refresh band, or one its test no longer
+    gates); ``rlk baselines update`` writes them without running the tests again."""
+    improved, ungated = [], []
+    for t in run.tests:
+        if t.gate is None or t.gate.baseline_written or t.outcome != "passed" or t.injected_fault:
+            continue
+        if t.gate.improvements:
+            improved.append(t.case)
+        elif t.gate.with_verdict(Verdict.UNGATED):
+            ungated.append(t.case)
+    lines = []
+    for cases, mode, what in ((improved, " --mode all", "improved: every metric of these cases from this run"),
+                              (ungated, "", "metrics no longer gated dropped, the references that pass kept")):
+        if cases:
+            lines += [f"refresh {count(len(cases), 'baseline')} from this run ({what}):",
+                      f"  rlk baselines update {shlex.quote(str(run_dir))}{mode} "
+                      + " ".join(f"--case {shlex.quote(c)}" for c in cases)]
+    return lines
+
+
 def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
                   not_collected: Mapping[str, str] | None = None,
                   deselected_by: tuple[tuple[str, str], int] | None = None) -> list[str]:
@@ -195,6 +217,7 @@ def summary_lines(run: RunRecord, run_dir: Path, tiers: Sequence[str], *,
     else:
         lines.append("gate: no gated metrics recorded")
     lines += problem_lines
+    lines += refresh_lines(run, run_dir)
     lines += shadow_lines(t.gate for t in run.tests if t.gate)
     lines += ["  " + line for line in missing_baseline_lines(run, (t.gate for t in run.tests if t.gate))]
     if written:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 from rlk_plugin_testing import latest_run_dir
@@ -93,3 +94,23 @@ def test_a_partial_run_writes_the_tests_it_recorded_and_says_so(rlk_pytester, tm
     assert done.returncode == 0, done.stderr
     assert "interrupted: partial, 1 of 2 tests recorded: only the tests it recorded are written" in done.stdout
     assert "wrote " in done.stdout and (tmp_path / "b" / "module" / "h100" / "a.json").exists()
+
+
+def test_the_summary_prints_the_command_that_refreshes_what_it_calls_out_of_date(rlk_pytester, monkeypatch):
+    """A value better than its baseline beyond the refresh band: the summary says so and prints
+    the `rlk baselines update` command, which, run as printed, leaves the next run's gate clean."""
+    rlk_pytester.makepyfile(**{"suites/op/test_gated": GATED})
+    monkeypatch.setenv("RLK_LOSS", "1.0")
+    rlk_pytester.runpytest("--rlk-platform=cpu", "--rlk-update-baselines=all").assert_outcomes(passed=1)
+    monkeypatch.setenv("RLK_LOSS", "0.5")  # lower is better: improved, far past the band
+    result = rlk_pytester.runpytest("--rlk-platform=cpu")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["refresh 1 baseline from this run (improved: every metric of these cases from this run):",
+                                 "  rlk baselines update * --mode all --case test_gated.test_gated"])
+    command = next(line for line in result.stdout.lines if line.startswith("  rlk baselines update "))
+    done = rlk(*shlex.split(command)[1:], cwd=rlk_pytester.path)
+    assert done.returncode == 0 and "1 of 1 baselines written (--mode all)" in done.stdout, done.stderr
+    again = rlk_pytester.runpytest("--rlk-platform=cpu")
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(["gate: 1 pass"])
+    assert not [line for line in again.stdout.lines if line.startswith("refresh ")]

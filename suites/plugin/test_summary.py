@@ -1,4 +1,4 @@
-"""The ``rlk`` terminal section's slowest-tests lines (pytest_rlk.table), without a pytest run."""
+"""The ``rlk`` terminal section's lines (pytest_rlk.table): the slowest tests, the refresh command."""
 from __future__ import annotations
 
 from pytest_rlk.schema import PlatformInfo, RunManifest, RunRecord, TestRecord
@@ -27,3 +27,23 @@ def test_slowest_five_listed_after_a_minute(tmp_path):
 def test_short_or_unfinished_sessions_list_nothing():
     assert slowest_lines(_run("2026-11-22T08:00:00.000000Z", "2026-11-22T08:00:59.000000Z", [50.0])) == []
     assert slowest_lines(_run("2026-11-22T08:00:00.000000Z", None, [500.0])) == []
+
+
+def test_refresh_lines_name_the_cases_a_refresh_rewrites_and_leave_out_the_rest(tmp_path):
+    from pytest_rlk.schema import GateResult, MetricComparison, Verdict
+    from pytest_rlk.table import refresh_lines
+
+    def gated(case, verdict, outcome="passed", injected=None, written=False):
+        return TestRecord(nodeid=f"suites/op/test_t.py::{case}", case=case, tier="op", outcome=outcome,
+                          injected_fault=injected, gate=GateResult(case=case, baseline_written=written, comparisons=[
+                              MetricComparison(name="m", verdict=verdict)]))
+
+    run = _run("2026-12-07T16:00:00Z", "2026-12-07T16:01:00Z", [])
+    run.tests = [gated("a", Verdict.UNGATED), gated("b", Verdict.IMPROVED), gated("c", Verdict.PASS),
+                 gated("d", Verdict.IMPROVED, outcome="failed"), gated("e", Verdict.IMPROVED, injected="bias"),
+                 gated("f", Verdict.UNGATED, written=True)]
+    assert refresh_lines(run, tmp_path / "my run") == [
+        "refresh 1 baseline from this run (improved: every metric of these cases from this run):",
+        f"  rlk baselines update '{tmp_path}/my run' --mode all --case b",
+        "refresh 1 baseline from this run (metrics no longer gated dropped, the references that pass kept):",
+        f"  rlk baselines update '{tmp_path}/my run' --case a"]
