@@ -117,6 +117,10 @@ class UpdateError(ValueError):
     """A run that cannot write the baselines asked of it (the message names what and why)."""
 
 
+def _matches(test: TestRecord, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(test.case, pattern) or fnmatch.fnmatchcase(test.nodeid, pattern)
+
+
 def update_from_run(run: RunRecord, baselines: Path, *, mode: str,
                     cases: Sequence[str] = ()) -> list[GateOutcome]:
     """``--rlk-update-baselines=MODE`` applied to a recorded run's tests, without running them
@@ -126,10 +130,8 @@ def update_from_run(run: RunRecord, baselines: Path, *, mode: str,
     if mode not in UPDATE_MODES:
         raise UpdateError(f"unknown mode {mode!r}; valid modes: {', '.join(UPDATE_MODES)}")
     gated = [t for t in run.tests if any(m.gate for m in t.metrics)]
-    chosen = [t for t in gated if not cases or any(fnmatch.fnmatchcase(t.case, c) or fnmatch.fnmatchcase(t.nodeid, c)
-                                                   for c in cases)]
-    unmatched = [c for c in cases if not any(fnmatch.fnmatchcase(t.case, c) or fnmatch.fnmatchcase(t.nodeid, c)
-                                             for t in gated)]
+    chosen = [t for t in gated if not cases or any(_matches(t, c) for c in cases)]
+    unmatched = [c for c in cases if not any(_matches(t, c) for t in gated)]
     if unmatched:
         raise UpdateError(f"no gated test of run {run.manifest.run_id} matches {', '.join(map(repr, unmatched))}")
     bad = [f"{t.nodeid} ({t.outcome})" for t in chosen if t.outcome != "passed"]

@@ -12,6 +12,14 @@ from pytest_rlk.schema import RunRecord
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def machine_conftest(**platform: object) -> str:
+    """A conftest whose ``pytest_rlk_platform`` hook reports the machine ``PlatformInfo(**platform)``
+    whatever this host has, so a test of what a machine serves holds on every host."""
+    fields = ", ".join(f"{name}={value!r}" for name, value in platform.items())
+    return ('pytest_plugins = ["pytest_rlk.plugin"]\nfrom pytest_rlk.schema import PlatformInfo\n\n'
+            f"def pytest_rlk_platform(config):\n    return PlatformInfo({fields})\n")
+
+
 def host_gpu_count() -> int:
     """The GPUs torch sees on this host (0 without torch or CUDA)."""
     try:

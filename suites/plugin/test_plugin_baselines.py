@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from rlk_plugin_testing import latest_run
+from rlk_plugin_testing import latest_run, machine_conftest
 
 from pytest_rlk import storage
 from pytest_rlk.schema import Verdict
@@ -216,14 +216,8 @@ def test_two_gpus(rlk_metrics):
     rlk_metrics.record("err", float(os.environ.get("TWO_GPU_ERR", "1e-6")), direction="lower_is_better",
                        space="error", band={"abs_floor": 1e-5, "source": "test tolerance"})
 """
-TWO_H200 = '''
-pytest_plugins = ["pytest_rlk.plugin"]
-from pytest_rlk.schema import PlatformInfo
-
-def pytest_rlk_platform(config):
-    return PlatformInfo(tag="h200", detected_tag="h200", device_name="NVIDIA H200", device_count=2,
-                        memory_bytes=150_000_000_000, capability="9.0")
-'''
+TWO_H200 = machine_conftest(tag="h200", detected_tag="h200", device_name="NVIDIA H200", device_count=2,
+                            memory_bytes=150_000_000_000, capability="9.0")
 
 
 def test_a_multi_gpu_test_keeps_its_baselines_under_tag_x_gpus(rlk_pytester, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from rlk_plugin_testing import latest_run
+from rlk_plugin_testing import latest_run, machine_conftest
 
 TEST_BODY = "def test_{name}():\n    pass\n"
 
@@ -215,14 +215,9 @@ def test_dash_m_h100_on_cpu_names_the_missing_hardware(rlk_pytester):
                                         "*needs an H100 or H200 (this machine: cpu, 0 GPUs)*"])
 
 
-H100_MACHINE = '''
-pytest_plugins = ["pytest_rlk.plugin"]
-from pytest_rlk.schema import PlatformInfo
-
-def pytest_rlk_platform(config):  # what detection reports on the lent H100
-    return PlatformInfo(tag="h100", detected_tag="h100", device_name="NVIDIA H100 80GB HBM3",
-                        device_count=1, memory_bytes=85_000_000_000, capability="9.0")
-'''
+H100_MACHINE = machine_conftest(  # what detection reports on the lent H100
+    tag="h100", detected_tag="h100", device_name="NVIDIA H100 80GB HBM3", device_count=1,
+    memory_bytes=85_000_000_000, capability="9.0")
 
 
 def test_cpu_override_on_a_gpu_machine_skips_exactly_like_cpu(rlk_pytester):
@@ -246,13 +241,7 @@ def test_dash_m_matching_nothing_still_exits_5(rlk_pytester):
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
 
 
-CPU_MACHINE = '''
-pytest_plugins = ["pytest_rlk.plugin"]
-from pytest_rlk.schema import PlatformInfo
-
-def pytest_rlk_platform(config):  # what detection reports on a machine without a GPU
-    return PlatformInfo(tag="cpu", detected_tag="cpu")
-'''
+CPU_MACHINE = machine_conftest(tag="cpu", detected_tag="cpu")  # a machine without a GPU
 
 
 def test_platform_override_serves_the_marker(rlk_pytester):
