@@ -1,12 +1,19 @@
 """Import *our* ``kernels`` package, refusing the unrelated PyPI distribution of the same name.
 
 A PyPI package named ``kernels`` exists (transformers uses it for hub kernels). If it shadows
-ours, every kernel test would test the wrong thing, so this fails loudly instead.
+ours, every kernel test would test the wrong thing, so this fails loudly instead. The other way
+round is as broken: where that distribution is installed, transformers imports ``kernels`` at
+module level (``transformers.integrations.hub_kernels``) whenever a model module loads, gets ours,
+and fails with an ImportError deep inside the first model build. ``hub_kernels_shadowed`` names
+that at startup.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 
@@ -44,3 +51,30 @@ def check_imported_kernels() -> None:
     module = sys.modules.get("kernels")
     if module is not None and getattr(module, "__rlk_kernels__", False) is not True:
         raise ImportError(_foreign_message(module))
+
+
+def _installed_kernels_distribution() -> importlib.metadata.Distribution | None:
+    try:
+        return importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def hub_kernels_shadowed(find_distribution: Callable[[], importlib.metadata.Distribution | None]
+                         = _installed_kernels_distribution,
+                         transformers_present: Callable[[], bool]
+                         = lambda: importlib.util.find_spec("transformers") is not None) -> str | None:
+    """The problem, or None: the PyPI ``kernels`` distribution is installed beside transformers while
+    ``import kernels`` gives ours, so every transformers model build fails (see the module docstring).
+    Checked without importing anything."""
+    dist = find_distribution()
+    if dist is None or not transformers_present():
+        return None
+    spec = importlib.util.find_spec("kernels") if "kernels" not in sys.modules else None
+    origin = spec.origin if spec is not None else getattr(sys.modules.get("kernels"), "__file__", None)
+    where = dist.locate_file("") if hasattr(dist, "locate_file") else "?"
+    return (f"the PyPI 'kernels' distribution {dist.version} (transformers' hub kernels, installed in {where}) "
+            f"is shadowed by pytest-rlk's 'kernels' package ({origin}): transformers imports 'kernels' whenever "
+            "a model module loads and fails there (ImportError: cannot import name 'CUDAProperties'). The "
+            "module and e2e tiers build transformers models: run the suite in an environment without it "
+            "(`pip uninstall kernels`).")

@@ -38,6 +38,14 @@ def missing_reason(module: str) -> str:
 
 
 def require_extra(module: str) -> ModuleType:
-    """Import ``module`` or skip (the calling module, at import time) naming its package and extra."""
+    """Import ``module`` or skip (the calling module, at import time) naming its package and extra.
+    transformers beside the PyPI ``kernels`` distribution fails instead of importing: its model
+    modules import that distribution and would get ours (pytest_rlk._kernels_guard)."""
     __tracebackhide__ = True  # the skip is reported at the caller's line
+    if module.split(".")[0] == "transformers":
+        from pytest_rlk._kernels_guard import hub_kernels_shadowed
+
+        shadowed = hub_kernels_shadowed()
+        if shadowed:
+            pytest.fail(shadowed, pytrace=False)
     return pytest.importorskip(module, reason=missing_reason(module), exc_type=ModuleNotFoundError)

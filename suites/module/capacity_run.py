@@ -61,6 +61,17 @@ class CapacityCase:
         return f"{self.spec.name}-recompute_{'on' if self.recompute else 'off'}"
 
 
+# The CPU form's cap (the MemoryCap stand-in for the HBM limit): 1.5 MiB, where a tiny Qwen3's
+# logits dominate a step's memory (suites/module/test_capacity.py states what each arm fits)
+CPU_CAP_BYTES = 3 << 19
+
+
+def cpu_form_case(cap_bytes: int = CPU_CAP_BYTES) -> CapacityCase:
+    """The capacity search's CPU form: the tiny Qwen3, recompute off, packed samples of 32 tokens."""
+    return CapacityCase(capacity_models.TINY_SPEC, False, seq_len=32, start=16, limit=4096, common_sizes=(16,),
+                        quantum=8, steps=1, cpu_cap_bytes=cap_bytes)
+
+
 @dataclasses.dataclass
 class Measured:
     tokens: int

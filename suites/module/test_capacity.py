@@ -191,7 +191,6 @@ def test_a_micro_batch_packs_equal_samples_of_at_most_seq_len():
         micro_batch_shape(1, 4096)
 
 
-CPU_CAP_BYTES = 3 << 19
 # linear_logp's gain over vime's path the CPU form asserts: measured 128 / 48 = 2.7x; the logits
 # path with our ops (rlk_logp_ratio_kl, 64 tokens: 1.3x) fails it, which the test shows on the same
 # run. What it cannot tell apart: an LM head on the response rows only, then our logp (104 tokens,
@@ -214,14 +213,13 @@ def test_cpu_capacity_linear_logp_fits_more_tokens_than_vimes_logits_path(rlk_me
         pytest.skip("the CPU form of the capacity search (a memory-cap stand-in for the HBM limit); this host "
                     "has a GPU: bench_capacity.py measures the real limit here (-m bench_full)")
     require_extra("transformers")
-    from suites.module import capacity_arms, capacity_models, capacity_run
+    from suites.module import capacity_arms, capacity_run
 
-    case = capacity_run.CapacityCase(capacity_models.TINY_SPEC, False, seq_len=32, start=16, limit=4096,
-                                     common_sizes=(16,), quantum=8, steps=1, cpu_cap_bytes=CPU_CAP_BYTES)
+    case = capacity_run.cpu_form_case()
     found, said = {}, []
     for name in (capacity_arms.VIME_PATH, "rlk_linear_logp", "rlk_logp_ratio_kl"):
         arm = capacity_arms.arm_named(name)
-        with rlk_progress.step(f"{arm.name}: the largest micro-batch under a {CPU_CAP_BYTES / 2**20:g} MiB cap"):
+        with rlk_progress.step(f"{arm.name}: the largest micro-batch under a {case.cpu_cap_bytes / 2**20:g} MiB cap"):
             found[name] = capacity_run.run_arm(case, arm, CPU, out_dir=rlk_metrics.artifact_dir, progress=said.append)
         capacity_run.record(rlk_metrics, found[name], CPU, gate=False)  # CPU: recorded, not gated
     # one line per probe and per measured size: a GPU search takes minutes
