@@ -5,7 +5,7 @@ ours, every kernel test would test the wrong thing, so this fails loudly instead
 round is as broken: where that distribution is installed, transformers imports ``kernels`` at
 module level (``transformers.integrations.hub_kernels``) whenever a model module loads, gets ours,
 and fails with an ImportError deep inside the first model build. ``hub_kernels_shadowed`` names
-that at startup.
+that where a test asks for transformers (``pytest_rlk.extras.require_extra``).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 
@@ -70,11 +71,9 @@ def hub_kernels_shadowed(find_distribution: Callable[[], importlib.metadata.Dist
     dist = find_distribution()
     if dist is None or not transformers_present():
         return None
-    spec = importlib.util.find_spec("kernels") if "kernels" not in sys.modules else None
-    origin = spec.origin if spec is not None else getattr(sys.modules.get("kernels"), "__file__", None)
-    where = dist.locate_file("") if hasattr(dist, "locate_file") else "?"
-    return (f"the PyPI 'kernels' distribution {dist.version} (transformers' hub kernels, installed in {where}) "
-            f"is shadowed by pytest-rlk's 'kernels' package ({origin}): transformers imports 'kernels' whenever "
+    ours = Path(__file__).resolve().parents[1] / "kernels"
+    return (f"the PyPI 'kernels' distribution {dist.version} (transformers' hub kernels, installed in "
+            f"{dist.locate_file('')}) is shadowed by pytest-rlk's 'kernels' package ({ours}): transformers imports 'kernels' whenever "
             "a model module loads and fails there (ImportError: cannot import name 'CUDAProperties'). The "
             "module and e2e tiers build transformers models: run the suite in an environment without it "
             "(`pip uninstall kernels`).")

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vime
 CPU = torch.device("cpu")
 
 
-def test_vimes_own_loss_in_the_cpu_capacity_form(vime_root, megatron_single_rank, rlk_metrics):
+def test_vimes_own_loss_in_the_cpu_capacity_form(vime_root, vime_loss, rlk_metrics):
     if torch.cuda.is_available():
         pytest.skip("the CPU form of the capacity search (a memory-cap stand-in for the HBM limit); this host "
                     "has a GPU: bench_capacity.py --rlk-vime-root measures the real limit here (-m bench_full)")
@@ -32,11 +32,12 @@ def test_vimes_own_loss_in_the_cpu_capacity_form(vime_root, megatron_single_rank
 
     case = capacity_run.cpu_form_case()
     found = {}
-    for name, root in (("vime", vime_root), ("vime_reference", None), ("rlk_linear_logp", None)):
-        arm = capacity_arms.arm_named(capacity_arms.VIME_PATH if name.startswith("vime") else name, root)
-        assert arm.name == name, (arm.name, name)
-        found[name] = capacity_run.run_arm(case, arm, CPU, out_dir=rlk_metrics.artifact_dir)
-        capacity_run.record(rlk_metrics, found[name], CPU, gate=False)
+    # vime's path with the checkout ("vime") and without it ("vime_reference"), then linear_logp
+    for selector, root in ((capacity_arms.VIME_PATH, vime_root), (capacity_arms.VIME_PATH, None),
+                           ("rlk_linear_logp", None)):
+        arm = capacity_arms.arm_named(selector, root)
+        found[arm.name] = capacity_run.run_arm(case, arm, CPU, out_dir=rlk_metrics.artifact_dir)
+        capacity_run.record(rlk_metrics, found[arm.name], CPU, gate=False)
     largest = {name: f.search.largest for name, f in found.items()}
     for name, f in found.items():
         assert f.search.largest is not None and not f.search.bounded_by_limit, (name, f.search.probes)
