@@ -186,6 +186,23 @@ def runs_in_all_gpu_phase(marks: Iterable[tuple[str, tuple]], *, unserved: bool,
     return gpus_needed(marks) > 1 or (shared_gpus and any(name in ALONE_MARKERS for name, _ in marks))
 
 
+# GPU memory per sharing worker: four workers on one 80 GB H100 ran the op and module tiers with no
+# CUDA out-of-memory once each returns its cache after a test (docs/gpu-runs.md rows 165-166)
+SHARED_WORKER_BYTES = 20 * 10**9
+
+
+def nightly_workers_per_gpu(gpu_memory_bytes: int, cpu_count: int, gpu_count: int = 1) -> int:
+    """How many xdist workers the GPU nightly lets share each GPU: one per ``SHARED_WORKER_BYTES``
+    of the smallest GPU's memory (4 on an 80 GB H100, 7 on a 141 GB H200), at most one per two
+    CPU cores of the node's share per GPU (the workers' time is host work: compiles, model builds)."""
+    if gpu_memory_bytes <= 0 or cpu_count <= 0 or gpu_count <= 0:
+        raise ValueError(f"nightly_workers_per_gpu({gpu_memory_bytes}, {cpu_count}, {gpu_count}): "
+                         "expected a positive memory, CPU count and GPU count")
+    by_memory = gpu_memory_bytes // SHARED_WORKER_BYTES
+    by_cores = cpu_count // (2 * gpu_count)
+    return max(1, min(by_memory, by_cores))
+
+
 def release_cached_gpu_memory() -> bool:
     """Return torch's cached GPU blocks to the driver (True where it did). Where workers share a
     GPU, the blocks one worker's test leaves in its caching allocator are memory the other workers'

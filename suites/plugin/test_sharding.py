@@ -354,3 +354,13 @@ def test_sharded_op_tier_gives_the_serial_results(tmp_path):
     compared = sum(1 for t in serial.tests for m in t.metrics if m.space == "error")
     assert len(serial.tests) == 26 and compared > 20  # parity errors, compared value by value
     assert [d.line() for d in compare_runs(serial, sharded)] == []
+
+
+def test_the_nightly_shares_a_gpu_by_its_memory_and_the_cores():
+    h100, h200 = 81559 << 20, 143771 << 20  # nvidia-smi's memory.total, MiB
+    assert sharding.nightly_workers_per_gpu(h100, 16) == 4
+    assert sharding.nightly_workers_per_gpu(h200, 16) == 7
+    assert sharding.nightly_workers_per_gpu(h200, 16, gpu_count=8) == 1  # two cores per worker
+    assert sharding.nightly_workers_per_gpu(10**9, 2) == 1
+    with pytest.raises(ValueError, match="positive"):
+        sharding.nightly_workers_per_gpu(h100, 0)
