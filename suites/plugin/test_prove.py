@@ -21,8 +21,13 @@ REPO = registry.__file__.rsplit("/pytest_rlk/", 1)[0]
 CPU_FAMILIES = [f for f in registry.FAMILIES if f not in ("time", "memory")]
 
 
-def rlk(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def rlk(*args: str, timeout: float = 120, cpu: bool = False) -> subprocess.CompletedProcess:
+    """``rlk ARGS`` in a subprocess; ``cpu`` hides the host's GPUs from it, so the CPU tiers' cases
+    run as CI runs them (interpreted kernels on CPU tensors) on a GPU host too. The GPU families are
+    proven by ``rlk prove --tier op-gpu`` on the GPU nightly, not here."""
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(os.environ.get("PYTHONPATH"))}
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run([sys.executable, "-m", "pytest_rlk.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -115,7 +120,7 @@ def test_judge_caught_margin_and_the_runs_that_prove_nothing():
 def test_rlk_prove_catches_every_registered_fault_of_the_cpu_tiers():
     """The acceptance, and what CI runs on every submission: every gate family served on this
     machine catches its faults at their nominal sizes."""
-    done = rlk("prove", "--tier", "op,module", timeout=900)
+    done = rlk("prove", "--tier", "op,module", timeout=900, cpu=True)
     assert done.returncode == 0, done.stdout + done.stderr
     for name, fault in registry.REGISTRY.items():
         if not fault.needs_gpu:
@@ -128,7 +133,7 @@ def test_rlk_prove_catches_every_registered_fault_of_the_cpu_tiers():
 
 
 def test_rlk_prove_fails_when_a_registered_fault_is_made_harmless():
-    done = rlk("prove", "--tier", "op", "--fault", "logp_bias", "--size", "0", timeout=600)
+    done = rlk("prove", "--tier", "op", "--fault", "logp_bias", "--size", "0", timeout=600, cpu=True)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "NOT CAUGHT" in done.stdout and "rlk prove: FAILED: logp_bias=0 not caught by op" in done.stdout
 
