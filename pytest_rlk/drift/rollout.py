@@ -127,6 +127,25 @@ def run_job(model_dir: str, request: dict) -> dict:
     return result
 
 
+def cpu_engine_in_process() -> dict:
+    """On a CPU, the engine's settings that let vLLM's bf16 attention run (the child side).
+
+    vLLM's CPU attention uses AMX tile instructions in bf16 where the CPU has them, and Linux lets a
+    process run them only after it asks (``arch_prctl``). torch asks for the process that calls
+    ``torch.cpu._init_amx``; vLLM's spawned engine and worker processes never do, so their first
+    attention step dies with SIGILL. So on a CPU this process asks, and the engine and its worker run
+    in it (no engine process, the single-process executor). On a GPU nothing changes."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+        raise RolloutError("the CPU has AMX but this process was refused its use (arch_prctl): vLLM's bf16 "
+                           "attention cannot run here")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "uni"}
+
+
 def run_engine(model_dir: str, requests: list[dict]) -> list[dict]:
     """One engine load of ``model_dir`` (the first request's engine settings) serving every request
     in turn (the child side)."""
@@ -137,6 +156,7 @@ def run_engine(model_dir: str, requests: list[dict]) -> list[dict]:
     from pytest_rlk.drift.preconditions import checkpoint_fingerprint
 
     first = requests[0]
+    engine_kwargs = cpu_engine_in_process()
     mode = str(first.get("logprobs_mode", LOGPROBS_MODE))
     checkpoint = checkpoint_fingerprint(model_dir)  # what this engine loaded, carried with its samples
     t0 = time.perf_counter()
@@ -145,7 +165,7 @@ def run_engine(model_dir: str, requests: list[dict]) -> list[dict]:
         gpu_memory_utilization=float(first.get("gpu_memory_utilization", 0.3)),
         max_model_len=int(first.get("max_model_len", 256)), enforce_eager=True,
         logprobs_mode=mode, trust_remote_code=False,
-        max_num_seqs=int(first.get("max_num_seqs", 16)),
+        max_num_seqs=int(first.get("max_num_seqs", 16)), **engine_kwargs,
     )
     load_s = time.perf_counter() - t0
     results = []
