@@ -6,6 +6,7 @@ import glob
 import importlib.util
 import os
 import platform as py_platform
+import re
 import sys
 from pathlib import Path
 
@@ -72,30 +73,126 @@ def _nvidia_driver_present() -> bool:
     return os.path.exists("/proc/driver/nvidia") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def detect(override: str | None = None) -> PlatformInfo:
-    """Detect the CUDA devices through torch; ``override`` replaces the tag (``--rlk-platform``).
+_TORCH_CUDA = re.compile(r"^cuda\s*(?::[^=]*)?=\s*(None|'([^']*)')", re.MULTILINE)
 
-    torch is imported only when it already is or an NVIDIA driver is present (importing it
-    costs seconds, in every xdist worker and subprocess).
-    """
+
+def torch_cuda_build() -> tuple[bool, str | None] | None:
+    """(whether the installed torch is a CUDA build, its CUDA version), read from ``torch/version.py``
+    without importing torch; None where that file cannot say."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    match = _TORCH_CUDA.search(text)
+    if match is None:
+        return None
+    return (match.group(1) != "None", match.group(2))
+
+
+def visible_indices(visible: str | None, count: int, uuids: list[str]) -> list[int] | None:
+    """The NVML indices of the devices CUDA shows under ``CUDA_VISIBLE_DEVICES=visible``, in order;
+    None where CUDA's own reading is needed (MIG instances, an entry that is neither an index nor a
+    ``GPU-`` UUID prefix).
+
+    As torch reads it: unset shows every device, an empty value none; the list stops at its first
+    entry that names no device (an index out of range, a negative one, an unknown or ambiguous
+    UUID prefix); a device named twice shows none."""
+    if visible is None:
+        return list(range(count))
+    if not visible.strip():
+        return []
+    shown: list[int] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.startswith("GPU-"):
+            found = [i for i, u in enumerate(uuids) if u.startswith(entry)]
+            if len(found) != 1:
+                break
+            index = found[0]
+        elif entry.isdigit() or (entry[:1] in "+-" and entry[1:].isdigit() and entry[1:]):
+            index = int(entry)
+            if not 0 <= index < count:
+                break
+        else:
+            return None
+        if index in shown:
+            return []
+        shown.append(index)
+    return shown
+
+
+def _nvml_devices(environ: dict[str, str] | os._Environ) -> list[DeviceInfo] | None:
+    """The devices torch would report, read through NVML: no torch import and no CUDA
+    initialization (seconds in every xdist worker and pytest subprocess of a GPU host, for a run
+    that may never touch CUDA). None where NVML cannot answer as torch would: no pynvml, a torch
+    whose build cannot be read, MIG, or devices that differ from one another (CUDA's order may
+    then differ from NVML's)."""
+    build = torch_cuda_build()
+    if build is None or importlib.util.find_spec("pynvml") is None:
+        return None
+    if not build[0]:
+        return []  # a CPU build of torch sees no device, whatever the machine has
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        found = []
+        for handle in handles:
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            found.append((name.decode() if isinstance(name, bytes) else str(name),
+                          uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                          int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), f"{major}.{minor}"))
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+    if len({(name, memory, cap) for name, _, memory, cap in found}) > 1:
+        return None
+    shown = visible_indices(environ.get("CUDA_VISIBLE_DEVICES"), count, [u for _, u, _, _ in found])
+    if shown is None:
+        return None
+    return [DeviceInfo(index=i, name=found[k][0], memory_bytes=found[k][2], capability=found[k][3])
+            for i, k in enumerate(shown)]
+
+
+def _torch_devices() -> tuple[list[DeviceInfo], str | None]:
+    import torch
+
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            devices.append(DeviceInfo(index=i, name=props.name, memory_bytes=int(props.total_memory),
+                                      capability=f"{props.major}.{props.minor}"))
+    return devices, torch.version.cuda
+
+
+def detect(override: str | None = None) -> PlatformInfo:
+    """Detect the CUDA devices; ``override`` replaces the tag (``--rlk-platform``).
+
+    Through torch where it is already imported (it has made its CUDA reading); else, on a machine
+    with an NVIDIA driver, through NVML where NVML can answer as torch would (importing torch and
+    initializing CUDA cost seconds, in every xdist worker and subprocess); else through torch.
+    Without a driver there is no device and torch is not imported."""
     devices: list[DeviceInfo] = []
     cuda_version = None
-    use_torch = "torch" in sys.modules or _nvidia_driver_present()
-    if use_torch and importlib.util.find_spec("torch") is not None:
-        import torch
-
-        cuda_version = torch.version.cuda
-        if torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                props = torch.cuda.get_device_properties(i)
-                devices.append(
-                    DeviceInfo(
-                        index=i,
-                        name=props.name,
-                        memory_bytes=int(props.total_memory),
-                        capability=f"{props.major}.{props.minor}",
-                    )
-                )
+    if "torch" in sys.modules:
+        devices, cuda_version = _torch_devices()
+    elif _nvidia_driver_present() and importlib.util.find_spec("torch") is not None:
+        nvml = _nvml_devices(os.environ)
+        if nvml is None:
+            devices, cuda_version = _torch_devices()
+        else:
+            devices, cuda_version = nvml, (torch_cuda_build() or (False, None))[1]
     if not devices:
         tag = "cpu"
         info = PlatformInfo(tag=tag, detected_tag=tag, cuda=cuda_version)
