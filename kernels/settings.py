@@ -65,6 +65,11 @@ def parse_positive_int(text: str) -> int:
     return int(text)
 
 
+def parse_positive_int_or_auto(text: str) -> int | str:
+    """``auto`` (the reader works the number out) or a positive int."""
+    return "auto" if text.strip() == "auto" else parse_positive_int(text)
+
+
 def parse_op_list(text: str) -> frozenset[str] | None:
     """``*`` -> None (every op); ``logp,grpo_loss`` -> their names."""
     if text == "*":
@@ -107,6 +112,7 @@ def parse_tiles(text: str) -> TileConfig:
 
 
 _TYPE_NAMES = {parse_flag: "flag", parse_check_mode: "on, strict or off", parse_text: "text", parse_path: "path", parse_positive_int: "positive int",
+               parse_positive_int_or_auto: "positive int or auto",
                parse_op_list: "op list", parse_tiles: "tiles"}
 
 
@@ -329,10 +335,12 @@ NIGHTLY_TAG = _declare(Setting(
     "Name of the nightly job's tarball (`rlk-gpu-<tag>.tar.gz`); unset: `<platform>-<UTC time>`.",
     readers=(".ci/gpu-nightly",), read="when used", group="suite"))
 NIGHTLY_WORKERS_PER_GPU = _declare(Setting(
-    "RLK_NIGHTLY_WORKERS_PER_GPU", parse_positive_int, 4,
+    "RLK_NIGHTLY_WORKERS_PER_GPU", parse_positive_int_or_auto, "auto",
     "xdist workers the GPU nightly job runs on each GPU (`-n auto --rlk-shard-gpus "
-    "--rlk-workers-per-gpu K`; benchmarks and `exclusive_gpu` tests still run alone afterwards); 1, "
-    "or an `-n` among the job's arguments, runs pytest as given.",
+    "--rlk-workers-per-gpu K --dist=worksteal`; benchmarks and `exclusive_gpu` tests still run alone "
+    "afterwards); `auto`: one per 20 GB of GPU memory, at most one per two CPU cores (4 on an H100, 7 "
+    "on an H200: `pytest_rlk.sharding.nightly_workers_per_gpu`); 1, or an `-n` among the job's "
+    "arguments, runs pytest as given.",
     readers=(".ci/gpu-nightly",), read="when used", group="suite"))
 FAKE_GPUS = _declare(Setting(
     "RLK_FAKE_GPUS", parse_positive_int, None,
