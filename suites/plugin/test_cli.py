@@ -208,3 +208,19 @@ def test_ab_diff_of_runs_with_different_tests_lists_the_one_run_cases_under_one_
     table = lines[:heading]  # the ungated case (nothing to compare) has no line
     assert [line for line in table if line.startswith("test_many.")] == ["test_many.test_case-0"]
     assert "1 pass" in lines
+
+
+def test_the_command_line_and_a_diff_never_import_torch(rlk_pytester):
+    """torch takes seconds to import on a GPU host (its CUDA libraries); ``rlk`` builds its parser,
+    every extension's included, and diffs a run without it."""
+    rlk_pytester.makepyfile(**{"suites/op/test_gated": GATED})
+    assert rlk_pytester.runpytest("-p", "no:cacheprovider").ret == 0
+    run = latest_run_dir(rlk_pytester)
+    probe = ("import sys, runpy; sys.argv = ['rlk', 'diff', sys.argv[1]]\n"
+             "try:\n    runpy.run_module('pytest_rlk.cli', run_name='__main__')\n"
+             "except SystemExit as done:\n    code = done.code\n"
+             "print('torch imported' if 'torch' in sys.modules else 'no torch', code)\n")
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath(os.environ.get("PYTHONPATH"))}
+    done = subprocess.run([sys.executable, "-c", probe, str(run)], cwd=rlk_pytester.path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.stdout.strip().splitlines()[-1] == "no torch 0", done.stdout + done.stderr

@@ -18,8 +18,7 @@ from typing import Any
 
 from pytest_rlk.e2e.arms import ArmCommand
 from pytest_rlk.e2e.engine import ArmLayout, ArmReading, ReportExtras, RunContext, StepProgress
-from pytest_rlk.e2e.engines.trl.rollout import ROLLOUTS_FILE
-from pytest_rlk.e2e.engines.trl.series import progress_from_line, read_run_info, read_series
+from pytest_rlk.e2e.engines.trl.series import ROLLOUTS_FILE, progress_from_line, read_run_info, read_series
 from pytest_rlk.e2e.engines.trl.settings import TINY_PREFIX, TrlSettings
 from pytest_rlk.e2e.launcher import ArmResult, LaunchConfig
 from pytest_rlk.e2e.processes import pythonpath_first

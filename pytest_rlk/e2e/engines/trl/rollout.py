@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-ROLLOUTS_FILE = "rollouts.jsonl"
 
 
 class RolloutReplayError(RuntimeError):

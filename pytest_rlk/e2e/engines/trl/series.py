@@ -13,6 +13,7 @@ from pytest_rlk.e2e.engine import StepProgress
 
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"
+ROLLOUTS_FILE = "rollouts.jsonl"  # the rollouts the replay lane's baseline arm records (rollout.py)
 PROGRESS_PREFIX = "rlk-step "
 
 
