@@ -6,15 +6,17 @@ and the smallest that did not until they are within ``rel_tol`` of each other (1
 true limit then lies in ``[largest, largest * (1 + rel_tol))``. The search assumes that what fits at
 a size fits at every smaller one (memory grows with the tokens).
 
-Narrowing bisects, unless the caller gives the memory a probe may take (``headroom_bytes``) and how
-to read a probe's peak (``peak_of``). Then the next size comes from the line through the peaks of
-the two largest sizes that fit (a step's memory is close to affine in its tokens): just below where
-the line meets the headroom, then the top of the ``rel_tol`` window above the largest fit. Where the
-memory follows the line, the bracket closes in two probes instead of the four a bisection of a
-doubling step takes (a probe at half a million tokens of a 0.6B model is a step of ~10 s). A
-probe whose outcome the line got wrong (fragmentation, a workspace that does not grow with the
-tokens) hands the rest of the search to bisection, so the result is as exact either way: every
-probe lies strictly inside the bracket.
+The search doubles and narrows by bisection, unless the caller gives the memory a probe may take
+(``headroom_bytes``) and how to read a probe's peak (``peak_of``). Then, once two sizes fit, the
+next size comes from the line through the peaks of the two largest sizes that fit (a step's memory
+is close to affine in its tokens): just below where the line meets the headroom, then the top of
+the ``rel_tol`` window above the largest fit. While doubling, once three sizes lie on one line
+(``steady_line``), that is a leap past the doublings in between (from 16384 tokens straight to near
+half a million, where a probe of a 0.6B model is a step of ~10 s); while narrowing, it closes the bracket in two probes instead of the four a
+bisection of a doubling step takes. A probe whose outcome the line got wrong (fragmentation, a
+workspace that does not grow with the tokens) hands the rest of the search to doubling (below a
+leap that ran out of memory) or to bisection, so the result is as exact either way: every probe
+lies strictly inside the bracket.
 
 Out of memory is a measured outcome, never a crash: ``torch.OutOfMemoryError`` on CUDA, and on
 CPU ``MemoryCapExceeded`` from ``MemoryCap``, the CPU stand-in for the HBM limit (below). Any
@@ -182,6 +184,38 @@ def _guided_size(lo: int, hi: int, limit: float | None, rel_tol: float, quantum:
     return (top, False) if lo < top < hi else None
 
 
+LINE_SLOPE_AGREEMENT = 0.25  # a leap needs the last two slopes of the peaks within this of each other
+
+
+def steady_line(fitted: list[tuple[int, int]]) -> bool:
+    """Whether the peaks of the three largest fitting sizes lie on one line: both slopes rising and
+    within ``LINE_SLOPE_AGREEMENT`` of each other. At small sizes a workspace that stops growing at
+    its cap (linear_logp's) or fixed buffers flatten the first slope, and a line through them
+    overshoots the limit by orders of magnitude."""
+    if len(fitted) < 3:
+        return False
+    (n1, p1), (n2, p2), (n3, p3) = sorted(fitted)[-3:]
+    if not n1 < n2 < n3:
+        return False
+    s1, s2 = (p2 - p1) / (n2 - n1), (p3 - p2) / (n3 - n2)
+    return s1 > 0 and s2 > 0 and abs(s2 - s1) <= LINE_SLOPE_AGREEMENT * max(s1, s2)
+
+
+def _leap(lo: int, line_limit: float | None, top_size: int, rel_tol: float, quantum: int) -> tuple[int, bool] | None:
+    """While doubling: (the next size, whether the line expects it to fit) from the line's limit, or
+    None (double). Just below the line's limit where that lies above ``lo`` (``top_size`` where the
+    line says it fits), else the top of the ``rel_tol`` window above ``lo``."""
+    if line_limit is None:
+        return None
+    below = _rounded(int(line_limit * (1 - rel_tol / 2)), quantum)
+    if below >= top_size:
+        return top_size, True
+    if below > lo:
+        return below, True
+    top = _rounded(max(int(lo * (1 + rel_tol)), lo + quantum), quantum)
+    return (top, False) if lo < top <= top_size else None
+
+
 def largest_fitting(probe: Callable[[int], Probe], *, start: int, limit: int, rel_tol: float = DEFAULT_REL_TOL,
                     quantum: int = 1, headroom_bytes: int | None = None,
                     peak_of: Callable[[Probe], int | None] | None = None) -> SearchResult:
@@ -207,18 +241,35 @@ def largest_fitting(probe: Callable[[int], Probe], *, start: int, limit: int, re
         probes.append(result)
         return result.fits
 
-    lo, hi, size = None, None, start
-    while True:  # doubling
-        if not tried(size):
+    guided = leaping = headroom_bytes is not None
+    top_size = _rounded(limit, quantum)
+    lo, hi, size, expected = None, None, start, None
+    failed_leap = None  # a leap the line got wrong: out of memory there, the doubling resumes below it
+    while True:  # doubling, or a leap along the line of the peaks
+        fits = tried(size)
+        if expected is not None and fits != expected:
+            leaping = False  # the memory left the line here: doubling from now on
+        if not fits and expected:
+            failed_leap = size
+        elif not fits:
             hi = size
             break
-        lo = size
-        if size >= limit:
+        else:
+            lo = size
+            if size >= top_size:
+                break
+        size, expected = min(_rounded(lo * 2, quantum), top_size), None
+        if leaping:
+            peaks = [(n, b) for n, b in ((p.tokens, peak_of(p)) for p in probes if p.fits) if b is not None]
+            if steady_line(peaks):
+                step = _leap(lo, predicted_limit(peaks, headroom_bytes), top_size, rel_tol, quantum)
+                if step is not None:
+                    size, expected = step
+        if failed_leap is not None and size >= failed_leap:
+            hi = failed_leap
             break
-        size = min(_rounded(size * 2, quantum), _rounded(limit, quantum))
     if lo is None or hi is None:
         return SearchResult(lo, hi, probes, rel_tol)
-    guided = headroom_bytes is not None
     while hi - lo > rel_tol * lo and hi - lo > quantum:
         step = None
         if guided:

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from pytest_rlk.extras import require_extra
+from suites.module import capacity_search as search
 from suites.module.capacity_search import (
     MemoryCap,
     MemoryCapExceeded,
@@ -101,6 +102,42 @@ def test_the_line_of_the_peaks_closes_the_bracket_in_two_probes(headroom):
     assert len(guided) - doubling <= 2, guided
     assert len(guided) <= len(plain), (guided, plain)
     assert bisected.largest <= limit < bisected.smallest_failing
+
+
+def test_the_line_leaps_past_the_doublings_once_three_sizes_lie_on_it():
+    """Affine memory, the limit 2^8 times the start: three sizes, the leap just below the line's
+    limit, the top of the window above it. Doubling alone probes eight sizes before running out."""
+    calls: list[int] = []
+    headroom = 400_000 + 300 * 131_000
+    found = largest_fitting(_affine_probe(400_000, 300, headroom, calls), start=512, limit=1 << 22, rel_tol=0.1,
+                            quantum=512, headroom_bytes=headroom, peak_of=_peak)
+    assert found.largest <= 131_000 < found.smallest_failing <= found.largest * 1.1 + 512
+    assert calls[:3] == [512, 1024, 2048] and len(calls) == 5, calls
+    assert calls[3] == found.largest and not found.probes[4].fits
+    line_says_all = largest_fitting(_affine_probe(400_000, 300, 10**12, []), start=512, limit=1 << 16, rel_tol=0.1,
+                                    quantum=512, headroom_bytes=10**12, peak_of=_peak)
+    assert [p.tokens for p in line_says_all.probes] == [512, 1024, 2048, 1 << 16] and line_says_all.bounded_by_limit
+
+
+def test_a_flat_first_slope_is_no_line_to_leap_along():
+    """A workspace that stops growing at its cap flattens the peaks of the smallest sizes; a line
+    through them would leap orders of magnitude past the limit."""
+    capped = [(16, 600_000), (32, 601_000), (64, 880_000)]
+    assert not search.steady_line(capped)
+    assert search.steady_line([*capped, (128, 1_500_000)])  # 32 -> 64 -> 128 rise alike
+    assert not search.steady_line(capped[:2]) and not search.steady_line([(16, 5), (32, 4), (64, 3)])
+
+
+def test_a_leap_that_runs_out_of_memory_resumes_the_doubling_below_it():
+    calls: list[int] = []
+    found = largest_fitting(_affine_probe(400_000, 300, 50_000_000, calls, actual_headroom=3_000_000), start=512,
+                            limit=1 << 22, rel_tol=0.1, quantum=512, headroom_bytes=50_000_000, peak_of=_peak)
+    leap = calls[3]
+    assert leap > 8 * 1024 and not found.probe_at(leap).fits  # the line's leap, out of memory
+    assert calls[4] == 4096 and all(n < leap for n in calls[4:])  # doubling again, below it
+    limit = (3_000_000 - 400_000) // 300
+    assert found.largest <= limit < found.smallest_failing <= found.largest * 1.1 + 512
+    assert len(calls) == len(set(calls))
 
 
 @pytest.mark.parametrize("actual", [2_000_000, 4_200_000, 4_900_000, 7_000_000])
