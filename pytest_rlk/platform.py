@@ -151,7 +151,7 @@ def _nvml_devices(environ: dict[str, str] | os._Environ) -> list[DeviceInfo] | N
             found.append((name.decode() if isinstance(name, bytes) else str(name),
                           uuid.decode() if isinstance(uuid, bytes) else str(uuid),
                           int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), f"{major}.{minor}"))
-    except pynvml.NVMLError:
+    except (pynvml.NVMLError, AttributeError):  # AttributeError: a pynvml without one of these calls
         return None
     finally:
         pynvml.nvmlShutdown()
