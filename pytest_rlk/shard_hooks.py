@@ -4,6 +4,7 @@ leave the multi-GPU tests to an all-GPU phase, which the controller runs once th
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,13 @@ class AllGpuPhaseHooks:
 
     def __init__(self, nodeids: list[str]) -> None:
         self.nodeids = set(nodeids)
+
+    def pytest_ignore_collect(self, collection_path, config):
+        root = Path(config.rootpath)
+        if not collection_path.is_relative_to(root):
+            return None
+        rel = collection_path.relative_to(root).as_posix()
+        return True if sharding.outside_phase(rel, collection_path.is_dir(), self.nodeids) else None
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):

@@ -243,6 +243,22 @@ def read_nodeids(run_dir: Path) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def outside_phase(rel_path: str, is_dir: bool, nodeids: Iterable[str]) -> bool:
+    """Whether the all-GPU phase may leave ``rel_path`` (relative to the rootdir, ``/``-separated)
+    uncollected: a test file that holds none of its ``nodeids``, or a folder that holds none of
+    their files. Its pytest would otherwise import every test module of the tiers (torch,
+    transformers, our kernels) to run the few dozen tests the workers left it. Packages'
+    ``__init__.py`` and conftests are never left out."""
+    files = {nodeid.split("::", 1)[0] for nodeid in nodeids}
+    rel = rel_path.strip("/")
+    if not rel or rel == ".":
+        return False
+    if is_dir:
+        return not any(f.startswith(rel + "/") for f in files)
+    name = rel.rsplit("/", 1)[-1]
+    return name.endswith(".py") and name not in ("__init__.py", "conftest.py") and rel not in files
+
+
 def all_gpu_phase_argv(invocation_args: Sequence[str], run_dir: Path) -> list[str]:
     """The serial pytest of the all-GPU phase: the same arguments, no xdist, joined to the run.
     (The options given last win, so the user's ``-n``/``--dist`` are overridden.)"""

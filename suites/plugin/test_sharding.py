@@ -364,3 +364,37 @@ def test_the_nightly_shares_a_gpu_by_its_memory_and_the_cores():
     assert sharding.nightly_workers_per_gpu(10**9, 2) == 1
     with pytest.raises(ValueError, match="positive"):
         sharding.nightly_workers_per_gpu(h100, 0)
+
+
+def test_the_all_gpu_phase_leaves_out_files_and_folders_without_its_tests():
+    held = ["suites/op/bench_logp.py::test_bench[bf16]", "suites/module/test_training_step.py::test_big"]
+    assert not sharding.outside_phase("suites/op/bench_logp.py", False, held)
+    assert sharding.outside_phase("suites/op/test_logp.py", False, held)
+    assert not sharding.outside_phase("suites/op", True, held) and not sharding.outside_phase("suites", True, held)
+    assert sharding.outside_phase("suites/e2e", True, held) and sharding.outside_phase("suites/op/launch", True, held)
+    for kept in ("suites/op/conftest.py", "suites/op/launch/__init__.py", "suites/op/cases.json", ".", ""):
+        assert not sharding.outside_phase(kept, False, held), kept
+
+
+ELSEWHERE = """
+import os
+
+with open(os.environ["IMPORT_LOG"], "a") as fh:  # who imports this module
+    fh.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + "\\n")
+
+def test_plain():
+    pass
+"""
+
+
+def test_the_all_gpu_phase_imports_only_the_files_of_its_tests(rlk_pytester, monkeypatch):
+    rlk_pytester.makeconftest(FAKE_TWO_GPU_CONFTEST)
+    rlk_pytester.makepyfile(**{"suites/op/test_sharded": SHARDED_TESTS, "suites/op/test_elsewhere": ELSEWHERE})
+    imports = rlk_pytester.path / "imports.txt"
+    monkeypatch.setenv("IMPORT_LOG", str(imports))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.delenv("RLK_FAKE_GPUS", raising=False)
+    result, _, _ = _sharded_run(rlk_pytester, monkeypatch, "phase", "--rlk-workers-per-gpu=2")
+    result.stdout.fnmatch_lines(["*all-GPU phase: 3 passed"])
+    importers = imports.read_text().split()
+    assert importers and "main" not in importers, importers  # the workers imported it, the phase did not
