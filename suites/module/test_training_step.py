@@ -62,6 +62,8 @@ class StepCase:
     # (launches of kernels that take microseconds), so even its device-clock spans hold the host's
     # launch gaps and move 20-50% between runs on the shared GPU hosts; recorded, not gated
     gates_times: bool = False
+    # False: uniform random response ids instead of the model's samples (train_step.random_rollout)
+    sampled_responses: bool = True
 
 
 TINY_CASES = {
@@ -71,7 +73,7 @@ TINY_CASES = {
 # bf16 weights on the GPU: a last-bit difference in a gradient can flip a bf16 rounding of a
 # parameter, so later steps drift more than in fp32; the first step's loss is still fp32-close.
 GPU_CASE = StepCase("dense", tiny.QWEN3_0P6B_VOCAB, tiny.QWEN3_0P6B_SIZE, torch.bfloat16, 2, 4, 256, 3,
-                    2e-3, 2e-2, 5e-2, gates_times=True)
+                    2e-3, 2e-2, 5e-2, gates_times=True, sampled_responses=False)
 
 
 def _prompts(n: int, vocab_size: int) -> list[torch.Tensor]:
@@ -166,11 +168,17 @@ def run_case(case: StepCase, device: torch.device, kernels_arm, rlk_metrics, pro
              kernels_backend: bool | str = True) -> list[str]:
     """The three arms on one rollout batch: reference, control (the reference one ulp off) and
     kernels (``kernels_backend``); records the metrics; returns :func:`divergence_problems`."""
-    with progress.step(f"build the {case.kind} model (vocab {case.vocab_size}), sample a rollout"):
+    rollout_kind = "sample a rollout" if case.sampled_responses else "draw a rollout of random ids"
+    with progress.step(f"build the {case.kind} model (vocab {case.vocab_size}), {rollout_kind}"):
         base = tiny.build_model(case.kind, seed=SEED, vocab_size=case.vocab_size, size=case.size,
                                 dtype=case.dtype, device=device)
-        rollout = train_step.sample_rollout(base, _prompts(case.n_prompts, case.vocab_size),
-                                            group_size=case.group_size, response_len=case.response_len, seed=SEED)
+        prompts = _prompts(case.n_prompts, case.vocab_size)
+        if case.sampled_responses:
+            rollout = train_step.sample_rollout(base, prompts, group_size=case.group_size,
+                                                response_len=case.response_len, seed=SEED)
+        else:
+            rollout = train_step.random_rollout(prompts, group_size=case.group_size, response_len=case.response_len,
+                                                vocab_size=case.vocab_size, seed=SEED)
         batch = train_step.vime_batch(base, rollout)
     args = standin.vime_args_standin(LOSS_FLAGS)
     start = {n: p.detach().clone() for n, p in base.named_parameters()}
@@ -286,6 +294,17 @@ def test_stage_times_gate_only_for_our_ops_in_the_kernels_arm_of_a_device_bound_
     assert not times_gate(GPU_CASE, cpu, True, "kernels", "logp")  # shared CPU cores
     assert not times_gate(GPU_CASE, cuda, last_bit_backend.WRONG_DOTTED_PATH, "kernels", "logp")  # not our kernels
     assert not times_gate(TINY_CASES["dense"], cuda, True, "kernels", "logp")  # a tiny step leaves the GPU idle
+
+
+def test_a_rollout_of_random_ids_has_the_sampled_rollouts_layout():
+    prompts = _prompts(GPU_CASE.n_prompts, 1000)
+    rollout = train_step.random_rollout(prompts, group_size=4, response_len=16, vocab_size=1000, seed=SEED)
+    again = train_step.random_rollout(prompts, group_size=4, response_len=16, vocab_size=1000, seed=SEED)
+    assert len(rollout.prompts) == len(rollout.responses) == 8 and rollout.group_size == 4
+    assert all(torch.equal(rollout.prompts[i], prompts[i // 4]) for i in range(8))  # grouped per prompt, in order
+    assert all(r.shape == (16,) and 0 <= int(r.min()) and int(r.max()) < 1000 for r in rollout.responses)
+    assert all(torch.equal(a, b) for a, b in zip(rollout.responses, again.responses))  # seeded
+    assert torch.equal(rollout.rewards, torch.tensor([train_step.even_token_reward(r) for r in rollout.responses]))
 
 
 def test_divergence_beyond_the_control_arms_multiple_fails():

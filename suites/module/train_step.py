@@ -75,6 +75,21 @@ def sample_rollout(model: torch.nn.Module, prompts: list[torch.Tensor], *, group
     return Rollout(all_prompts, responses, rewards, group_size)
 
 
+def random_rollout(prompts: list[torch.Tensor], *, group_size: int, response_len: int, vocab_size: int,
+                   seed: int) -> Rollout:
+    """``group_size`` responses of ``response_len`` uniform random token ids per prompt, rewarded as
+    sampled ones are. For a random-init model with a large vocabulary: its samples are close to
+    uniform anyway (the logits of a fresh LM head spread by well under one nat), and ``generate``
+    of 256 tokens on a 28-layer model is about 25 s of host-bound decoding on the GPU, in a test
+    that has the GPU to itself. The training step's old log-probs come from the model either way
+    (``vime_batch``)."""
+    gen = torch.Generator().manual_seed(seed)
+    all_prompts = [p.cpu() for p in prompts for _ in range(group_size)]
+    responses = [torch.randint(0, vocab_size, (response_len,), generator=gen) for _ in all_prompts]
+    rewards = torch.tensor([even_token_reward(r) for r in responses])
+    return Rollout(all_prompts, responses, rewards, group_size)
+
+
 def packed_logits(model: torch.nn.Module, prompts: list[torch.Tensor], responses: list[torch.Tensor],
                   autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Forward a right-padded batch and pack each sample's valid rows: fp32 [T_total, V] (vime's THD)."""
