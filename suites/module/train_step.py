@@ -79,7 +79,8 @@ def random_rollout(prompts: list[torch.Tensor], *, group_size: int, response_len
                    seed: int) -> Rollout:
     """``group_size`` responses of ``response_len`` uniform random token ids per prompt, rewarded as
     sampled ones are. For a random-init model with a large vocabulary: its samples are close to
-    uniform anyway (the logits of a fresh LM head spread by well under one nat), and ``generate``
+    uniform anyway (at Qwen3-0.6B's width and vocabulary the fresh logits have a std of 0.64 nat and
+    the sampling distribution an entropy 0.2 nat below the uniform one's 11.93), and ``generate``
     of 256 tokens on a 28-layer model is about 25 s of host-bound decoding on the GPU, in a test
     that has the GPU to itself. The training step's old log-probs come from the model either way
     (``vime_batch``)."""
