@@ -124,11 +124,12 @@ def visible_indices(visible: str | None, count: int, uuids: list[str]) -> list[i
 
 
 def _nvml_devices(environ: dict[str, str] | os._Environ) -> list[DeviceInfo] | None:
-    """The devices torch would report, read through NVML: no torch import and no CUDA
-    initialization (seconds in every xdist worker and pytest subprocess of a GPU host, for a run
-    that may never touch CUDA). None where NVML cannot answer as torch would: no pynvml, a torch
-    whose build cannot be read, MIG, or devices that differ from one another (CUDA's order may
-    then differ from NVML's)."""
+    """The devices torch would report, read through NVML, with no torch import and no CUDA
+    initialization. Those cost seconds in every pytest process of a GPU host that detects (a run's
+    controller, its all-GPU phase, each pytest subprocess a test starts; xdist workers receive the
+    platform), for a run that may never touch CUDA. None where NVML cannot answer as torch would:
+    no pynvml, a torch whose build cannot be read, MIG, or devices that differ from one another
+    (CUDA's order may then differ from NVML's)."""
     build = torch_cuda_build()
     if build is None or importlib.util.find_spec("pynvml") is None:
         return None
@@ -181,7 +182,7 @@ def detect(override: str | None = None) -> PlatformInfo:
 
     Through torch where it is already imported (it has made its CUDA reading); else, on a machine
     with an NVIDIA driver, through NVML where NVML can answer as torch would (importing torch and
-    initializing CUDA cost seconds, in every xdist worker and subprocess); else through torch.
+    initializing CUDA cost seconds, in every pytest process and subprocess that detects); else through torch.
     Without a driver there is no device and torch is not imported."""
     devices: list[DeviceInfo] = []
     cuda_version = None
