@@ -8,6 +8,7 @@ import os
 import platform as py_platform
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from pytest_rlk.schema import DeviceInfo, PlatformInfo
@@ -123,7 +124,7 @@ def visible_indices(visible: str | None, count: int, uuids: list[str]) -> list[i
     return shown
 
 
-def _nvml_devices(environ: dict[str, str] | os._Environ) -> list[DeviceInfo] | None:
+def _nvml_devices(environ: Mapping[str, str]) -> list[DeviceInfo] | None:
     """The devices torch would report, read through NVML, with no torch import and no CUDA
     initialization. Those cost seconds in every pytest process of a GPU host that detects (a run's
     controller, its all-GPU phase, each pytest subprocess a test starts; xdist workers receive the

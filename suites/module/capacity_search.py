@@ -216,6 +216,11 @@ def _leap(lo: int, line_limit: float | None, top_size: int, rel_tol: float, quan
     return (top, False) if lo < top <= top_size else None
 
 
+def _fitted_peaks(probes: list[Probe], peak_of: Callable[[Probe], int | None]) -> list[tuple[int, int]]:
+    """(tokens, peak bytes) of every probe that fit and reports a peak: the points of the line."""
+    return [(p.tokens, peak) for p in probes if p.fits and (peak := peak_of(p)) is not None]
+
+
 def largest_fitting(probe: Callable[[int], Probe], *, start: int, limit: int, rel_tol: float = DEFAULT_REL_TOL,
                     quantum: int = 1, headroom_bytes: int | None = None,
                     peak_of: Callable[[Probe], int | None] | None = None) -> SearchResult:
@@ -260,7 +265,7 @@ def largest_fitting(probe: Callable[[int], Probe], *, start: int, limit: int, re
                 break
         size, expected = min(_rounded(lo * 2, quantum), top_size), None
         if leaping:
-            peaks = [(n, b) for n, b in ((p.tokens, peak_of(p)) for p in probes if p.fits) if b is not None]
+            peaks = _fitted_peaks(probes, peak_of)
             if steady_line(peaks):
                 step = _leap(lo, predicted_limit(peaks, headroom_bytes), top_size, rel_tol, quantum)
                 if step is not None:
@@ -273,9 +278,7 @@ def largest_fitting(probe: Callable[[int], Probe], *, start: int, limit: int, re
     while hi - lo > rel_tol * lo and hi - lo > quantum:
         step = None
         if guided:
-            peaks = [(p.tokens, peak_of(p)) for p in probes if p.fits]
-            step = _guided_size(lo, hi, predicted_limit([(n, b) for n, b in peaks if b is not None], headroom_bytes),
-                                rel_tol, quantum)
+            step = _guided_size(lo, hi, predicted_limit(_fitted_peaks(probes, peak_of), headroom_bytes), rel_tol, quantum)
         if step is None:  # bisection
             size, expected = _rounded((lo + hi) // 2, quantum), None
             if size <= lo:
